@@ -1,0 +1,78 @@
+"""The ``kvstack`` command line: a thin dispatcher over command modules.
+
+Each command lives in its own module exposing ``configure(parser: argparse.ArgumentParser) -> None`` and
+``run(args: argparse.Namespace) -> int``. Modules keep heavy imports (ray, vllm, torch, matplotlib) inside
+``run`` so that ``kvstack --help`` and ``kvstack plan`` start fast. Add a command by adding a row to ``COMMANDS``
+(or ``BENCH_COMMANDS`` for ``kvstack bench <name>``). A row whose module does not exist yet is skipped.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad usage / unknown names (argparse convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+# (command, module, help)
+COMMANDS: list[tuple[str, str, str]] = [
+    ("plan", "cluster.commands.plan", "fetch-vs-recompute planner: break-even, capacity, report"),
+    ("models", "cluster.commands.models", "generate tiny local models (no hub access)"),
+    ("serve", "cluster.commands.serve", "start the local multi-node cluster and the OpenAI endpoint"),
+    ("status", "cluster.commands.status", "show nodes, replicas, shards and recent decisions"),
+    ("simulate", "bench.simulate_cli", "discrete-event cluster simulation running the real policies"),
+]
+BENCH_COMMANDS: list[tuple[str, str, str]] = [
+    ("transfer", "bench.transfer_bench", "KV pool transfer throughput (NIXL, TCP, SSD) vs machine limits"),
+    ("reuse", "bench.reuse_bench", "TTFT: recompute vs HBM hit vs fetch from DRAM / SSD"),
+    ("router", "bench.router_bench", "decision latency of the cost_based policy"),
+    ("agent", "bench.agent_cli", "agent-session load generator against an OpenAI endpoint"),
+    ("trace", "bench.trace_cli", "replay a Mooncake trace against an OpenAI endpoint"),
+    ("compare", "bench.compare_cli", "policies side by side (simulator and live)"),
+]
+
+
+def _load(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            return None  # command not built yet
+        raise
+
+
+def _add(subparsers: argparse._SubParsersAction, rows: list[tuple[str, str, str]]) -> None:
+    for name, module_name, help_text in rows:
+        module = _load(module_name)
+        if module is None:
+            continue
+        parser = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.configure(parser)
+        parser.set_defaults(_run=module.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstack", description="KV-cache-aware LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add(sub, COMMANDS)
+    bench = sub.add_parser("bench", help="benchmarks (JSON results)", description="benchmarks (JSON results)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    _add(bench_sub, BENCH_COMMANDS)
+    bench.set_defaults(_run=lambda _args: (bench.print_help(), 2)[1])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The routing-policy contract: typed inputs (a request, replica states, pool hits) and ranked candidates out.
+
+Who calls what:
+- ``router.ingress`` (live) and ``bench.simulate`` (simulated cluster) build a ``RouteRequest`` and a
+  ``ClusterSnapshot`` from the cluster prefix view (``router.index``) and call ``PolicyRunner.decide``.
+- ``PolicyRunner`` owns everything around a policy: timing, tie-breaks, the decision record and metrics.
+- A ``RoutingPolicy`` ranks candidates and does nothing else: no I/O, no clocks, no global state other than what
+  it is constructed with (an injected RNG for randomised policies).
+
+Actions (DESIGN.md, "The walk of one request"):
+- HOLDER    — the replica already holds a prefix in its HBM cache; it computes the rest.
+- FETCH     — the replica pulls a prefix from a pool shard (``FetchPlan``) and computes the rest.
+- RECOMPUTE — the replica computes the whole prompt.
+- SPLIT     — the replica computes the head of the prefix while fetching its tail (``FetchPlan.start_block`` > 0).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from kvpool.keys import BlockKey
+from router.cost import Hardware
+
+StorageTier = Literal["dram", "ssd"]
+
+
+class Action(enum.StrEnum):
+    HOLDER = "holder"
+    FETCH = "fetch"
+    RECOMPUTE = "recompute"
+    SPLIT = "split"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One prompt to place: its length and the chained block keys of its full blocks."""
+
+    request_id: str
+    prompt_tokens: int
+    block_size: int
+    block_keys: Sequence[BlockKey]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """A replica as the router sees it for one request."""
+
+    replica_id: str
+    node_id: str
+    running: int
+    waiting: int
+    queue_delay_s: float
+    hbm_prefix_blocks: int
+    hw: Hardware
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHit:
+    """The longest prefix of the request a pool shard holds in one storage tier."""
+
+    shard_id: str
+    node_id: str
+    tier: StorageTier
+    prefix_blocks: int
+    queue_delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """What the policy may look at: every live replica and every pool hit for this request."""
+
+    replicas: Sequence[ReplicaState]
+    pool_hits: Sequence[PoolHit] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Blocks [start_block, end_block) of the request's keys, pulled from ``shard_id``'s ``tier``."""
+
+    shard_id: str
+    node_id: str
+    tier: StorageTier
+    start_block: int
+    end_block: int
+
+    @property
+    def blocks(self) -> int:
+        return self.end_block - self.start_block
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One priced option: an action on a replica, its predicted TTFT and the prefix it reuses."""
+
+    action: Action
+    replica_id: str
+    predicted_ttft_s: float
+    reused_tokens: int = 0
+    fetch: FetchPlan | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """A policy's answer: candidates best-first (the first is chosen) and a one-line reason with its numbers."""
+
+    candidates: Sequence[Candidate]
+    reason: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class RoutingPolicy(ABC):
+    """Ranks candidates for one request. Implementations live one per file in ``router/policies/``."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
+        """Return candidates best-first; must not mutate inputs, do I/O or read clocks."""

@@ -1,0 +1,15 @@
+"""Shared pytest configuration: markers and the repo root on sys.path."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker, doc in [
+        ("integration", "real local Ray cluster / NIXL / files"),
+        ("e2e", "real vLLM replicas (CPU build) and the OpenAI SDK"),
+        ("slow", "takes more than ~30 s"),
+        ("reuse_correctness", "token-identical KV reuse matrix (one test per cell)"),
+    ]:
+        config.addinivalue_line("markers", f"{marker}: {doc}")
