@@ -117,10 +117,18 @@ class Ranking:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+class NoReplicasError(ValueError):
+    """The snapshot has no live replica: nothing to route to (the caller answers 503)."""
+
+
 class RoutingPolicy(ABC):
     """Ranks candidates for one request. Implementations live one per file in ``router/policies/``."""
 
     name: ClassVar[str]
+    #: True when candidates are ordered by ``predicted_ttft_s`` and near-equal ones are interchangeable: the
+    #: ``PolicyRunner`` then picks at random among those within its tie window (anti-herding). Policies whose
+    #: order means something else (round robin, pow-2 on load) leave it False and break their own ties.
+    tie_break: ClassVar[bool] = False
 
     @abstractmethod
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:

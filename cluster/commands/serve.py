@@ -1,0 +1,190 @@
+"""``kvstack serve``: the whole stack on one machine (or on an existing Ray cluster) until Ctrl-C / SIGTERM.
+
+Steps, each printed with its elapsed time: generate the tiny model on first run → start the local multi-node Ray
+cluster (``cluster.local_cluster``) or join ``cluster.address`` → start a KV pool shard on every worker node →
+deploy the Serve app (``deployments.app.build_app``) with the HTTP proxy on ``http.host:http.port`` → print the
+endpoint and an example ``curl`` → wait. On SIGINT/SIGTERM it tears down exactly what it started (Serve app,
+shards, the local cluster's own processes; never ``ray stop``) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="serve config YAML (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="HTTP port (overrides http.port)")
+    parser.add_argument("--workers", type=int, help="local worker nodes (overrides cluster.workers)")
+    parser.add_argument("--replicas", type=int, help="vLLM replicas (overrides app.replicas.num_replicas)")
+    parser.add_argument("--policy", help="routing policy (overrides app.router.policy)")
+    parser.add_argument("--state-file", type=Path, default=Path(".kvstack/serve.json"),
+                        help="where to write the endpoint/pids for `kvstack status` (default: %(default)s)")
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def step(self, what: str) -> float:
+        print(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what}", flush=True)
+        return time.monotonic()
+
+    def done(self, what: str, since: float) -> None:
+        print(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what} ({time.monotonic() - since:.1f}s)", flush=True)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.port is not None:
+        out["http.port"] = args.port
+    if args.workers is not None:
+        out["cluster.workers"] = args.workers
+    if args.replicas is not None:
+        out["app.replicas.num_replicas"] = args.replicas
+    if args.policy is not None:
+        out["app.router.policy"] = args.policy
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from configs.loader import ConfigError, UnknownNameError
+
+    from cluster.serve_config import load_serve_config
+
+    try:
+        cfg = load_serve_config(args.config, _overrides(args))
+    except (ConfigError, UnknownNameError) as exc:
+        print(f"kvstack serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = ServeStack(cfg, args.state_file)
+    try:
+        stack.start(stop)
+        if not stop.is_set():
+            stack.announce()
+            while not stop.wait(1.0):
+                pass
+        return 0
+    except Exception as exc:  # noqa: BLE001 - report and clean up whatever started
+        print(f"kvstack serve: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
+
+
+class ServeStack:
+    """What ``kvstack serve`` started, so that ``stop`` tears down exactly that."""
+
+    def __init__(self, cfg: Any, state_file: Path) -> None:
+        self.cfg = cfg
+        self.state_file = state_file
+        self.progress = Progress()
+        self.cluster: Any = None
+        self.shards: list[Any] = []
+        self.serve_started = False
+
+    def start(self, stop: threading.Event) -> None:
+        from cluster.local_cluster import LocalCluster, prepare_environment
+
+        cfg, p = self.cfg, self.progress
+        prepare_environment()
+        if cfg.tiny_model is not None:
+            self._ensure_tiny_model()
+        if stop.is_set():
+            return
+        if cfg.cluster.mode == "local":
+            t = p.step(f"starting a local Ray cluster: head + {cfg.cluster.workers} worker nodes")
+            self.cluster = LocalCluster(workers=cfg.cluster.workers, cpus_per_worker=cfg.cluster.cpus_per_worker)
+            self.cluster.start()
+            p.done("Ray cluster up: " + ", ".join(n.ip for n in self.cluster.nodes), t)
+        else:
+            import ray
+
+            t = p.step(f"joining the Ray cluster at {cfg.cluster.address}")
+            ray.init(address=cfg.cluster.address, namespace="kvstack")
+            p.done("joined", t)
+        if stop.is_set():
+            return
+        if cfg.app.pool.enabled:
+            self._start_shards()
+        if stop.is_set():
+            return
+        self._deploy()
+
+    def _ensure_tiny_model(self) -> None:
+        from cluster.tiny_models import make_tiny, preset_spec
+
+        path = Path(self.cfg.app.engine.model_path)
+        t = self.progress.step(f"tiny model {self.cfg.tiny_model.arch}/{self.cfg.tiny_model.preset} at {path}")
+        make_tiny(preset_spec(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset), path)
+        self.progress.done("tiny model ready", t)
+
+    def _start_shards(self) -> None:
+        from deployments.pool_setup import start_pool
+
+        t = self.progress.step("starting a KV pool shard on every worker node")
+        self.shards = start_pool(self.cfg.app)
+        self.progress.done(f"{len(self.shards)} pool shards up", t)
+
+    def _deploy(self) -> None:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        cfg = self.cfg
+        n = cfg.app.replicas.num_replicas or "autoscaled"
+        t = self.progress.step(f"deploying the app: {n} vLLM replicas + router (policy {cfg.app.router.policy})")
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        self.serve_started = True
+        serve.run(build_app(cfg.app), name="kvstack", route_prefix="/")
+        self.progress.done("app ready", t)
+
+    def announce(self) -> None:
+        host = "127.0.0.1" if self.cfg.http.host in ("0.0.0.0", "::") else self.cfg.http.host
+        base = f"http://{host}:{self.cfg.http.port}/v1"
+        model = self.cfg.app.engine.served_model_name
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(json.dumps({"endpoint": base, "model": model,
+                                               "ray_address": getattr(self.cluster, "address", None)}))
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
+        print(f"kvstack is serving {model} at {base}   try: curl -s {base}/chat/completions "
+              f"-H 'Content-Type: application/json' -d '{body}'", flush=True)
+
+    def stop(self) -> None:
+        p = self.progress
+        t = p.step("shutting down")
+        try:
+            if self.serve_started:
+                from ray import serve
+
+                serve.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            print(f"kvstack serve: serve shutdown: {exc}", file=sys.stderr)
+        try:
+            if self.shards:
+                from kvpool.shard import stop_shards
+
+                stop_shards(self.shards)
+        except Exception as exc:  # noqa: BLE001
+            print(f"kvstack serve: stopping shards: {exc}", file=sys.stderr)
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        else:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        self.state_file.unlink(missing_ok=True)
+        p.done("stopped", t)

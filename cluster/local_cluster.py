@@ -1,0 +1,148 @@
+"""A real multi-node Ray cluster on one machine: a head plus N worker nodes, each its own node IP on loopback.
+
+Who calls it: ``kvstack serve`` (the embedded default), the integration / e2e test fixtures and the benchmarks.
+Each worker node gets its own resources (``num_cpus`` and a ``kvstack_node_<i>`` custom resource) so replicas
+and pool shards can be spread or pinned. Pitfalls handled here (measured on this kind of machine):
+- node IP 127.0.0.1 is rewritten to the host IP → nodes use 127.0.0.2, .3, …;
+- ``~/.ray/auth_token`` turns token auth on → ``RAY_AUTH_MODE=disabled`` for these local clusters;
+- default ports collide with other Ray instances → every port is picked free;
+- worker nodes must join one at a time → ``add_node(wait=True)`` in sequence;
+- Serve's 5 s proxy readiness check flakes on a loaded 2-core box → ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``;
+- shut down with ``Cluster.shutdown()`` (own processes only), never ``ray stop`` (would kill other clusters).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# Environment every process of a local cluster needs; applied by ``prepare_environment`` (called by entrypoints,
+# never at import time).
+LOCAL_CLUSTER_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_health_check_timeout_ms": "60000",
+    "RAY_DEDUP_LOGS": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "UCX_NET_DEVICES": "lo",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+}
+
+
+def prepare_environment(overrides: dict[str, str] | None = None) -> None:
+    """Set the local-cluster environment for this process and the Ray processes it starts."""
+    for key, value in {**LOCAL_CLUSTER_ENV, **(overrides or {})}.items():
+        os.environ.setdefault(key, value)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class NodeInfo:
+    ip: str
+    node_id: str
+    resource: str  # the custom resource naming this node ("kvstack_node_<i>"; "kvstack_head" for the head)
+    num_cpus: int
+
+
+@dataclass
+class LocalCluster:
+    """Start with ``start()`` (or the ``local_cluster`` context manager), stop with ``shutdown()``."""
+
+    workers: int = 2
+    cpus_per_worker: int = 2
+    head_cpus: int = 0
+    object_store_bytes: int = 200 * 2**20
+    first_ip: int = 2
+    namespace: str = "kvstack"
+    temp_root: str | None = None
+    nodes: list[NodeInfo] = field(default_factory=list)
+
+    def start(self) -> LocalCluster:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        prepare_environment()
+        # Ray's socket paths must stay short: a private dir directly under /tmp.
+        self._tmp = tempfile.mkdtemp(prefix="kvs-", dir=self.temp_root or "/tmp")
+        # Ray writes its "current cluster" address file under RAY_TMPDIR: keep it private too.
+        os.environ["RAY_TMPDIR"] = self._tmp
+        ray_dir = os.path.join(self._tmp, "ray")
+        os.makedirs(ray_dir, exist_ok=True)
+        head_ip = f"127.0.0.{self.first_ip}"
+        self._cluster = Cluster(
+            initialize_head=True,
+            connect=False,
+            head_node_args=dict(
+                node_ip_address=head_ip,
+                gcs_server_port=free_port(head_ip),
+                num_cpus=self.head_cpus,
+                resources={"kvstack_head": 1},
+                object_store_memory=self.object_store_bytes,
+                include_dashboard=False,
+                temp_dir=ray_dir,
+                metrics_export_port=free_port(head_ip),
+                ray_client_server_port=free_port(head_ip),
+            ),
+        )
+        self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus)]
+        for i in range(self.workers):
+            ip = f"127.0.0.{self.first_ip + 1 + i}"
+            node = self._cluster.add_node(
+                wait=True,
+                node_ip_address=ip,
+                num_cpus=self.cpus_per_worker,
+                resources={f"kvstack_node_{i}": 1, "kvstack_worker": 1},
+                object_store_memory=self.object_store_bytes,
+                metrics_export_port=free_port(ip),
+            )
+            self.nodes.append(NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker))
+        ray.init(address=self._cluster.address, namespace=self.namespace, logging_level="WARNING",
+                 log_to_driver=True)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    @property
+    def worker_nodes(self) -> list[NodeInfo]:
+        return self.nodes[1:]
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            cluster = getattr(self, "_cluster", None)
+            if cluster is not None:
+                cluster.shutdown()
+                self._cluster = None
+            tmp = getattr(self, "_tmp", None)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def local_cluster(**kwargs: object) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(**kwargs).start()  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,71 @@
+"""The ``kvstack serve`` config file: where the cluster comes from, the HTTP endpoint, the model, and the app.
+
+Parsed once by ``cluster.commands.serve`` (unknown keys rejected, errors name the file and key). The ``app``
+section is exactly the Serve application's args (``deployments.app_config.AppConfig``), so the same section works
+in a KubeRay ``serveConfigV2``. ``configs/local.yaml`` is the embedded default; ``configs/gpu-8xh100.yaml`` is a
+documented GPU example.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from configs.loader import ConfigError, parse_model
+from deployments.app_config import AppConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalClusterSettings(_Strict):
+    """Start a local multi-node cluster (``mode: local``) or join a running one (``mode: existing``)."""
+
+    mode: Literal["local", "existing"] = "local"
+    address: str | None = Field(default=None, description="Ray address for mode=existing (e.g. 'auto')")
+    workers: int = Field(default=2, ge=1)
+    cpus_per_worker: int = Field(default=2, ge=1)
+
+
+class HttpSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class TinyModelSettings(_Strict):
+    """Generate this tiny model into ``app.engine.model_path`` on first run (no hub access)."""
+
+    arch: Literal["qwen3", "qwen3-next"] = "qwen3"
+    preset: Literal["tiny", "heavy"] = "tiny"
+
+
+class ServeFileConfig(_Strict):
+    cluster: LocalClusterSettings = Field(default_factory=LocalClusterSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    tiny_model: TinyModelSettings | None = None
+    app: AppConfig
+
+
+def load_serve_config(path: Path, overrides: dict[str, Any] | None = None) -> ServeFileConfig:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    cfg = parse_model(ServeFileConfig, raw, path)
+    model_path = Path(cfg.app.engine.model_path)
+    if not model_path.is_absolute():  # relative model paths are relative to the current directory
+        engine = cfg.app.engine.model_copy(update={"model_path": str(model_path.resolve())})
+        cfg = cfg.model_copy(update={"app": cfg.app.model_copy(update={"engine": engine})})
+    return cfg

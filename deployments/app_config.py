@@ -1,0 +1,161 @@
+"""AppConfig: the typed arguments of the kvstack Serve application (``deployments.app:build_app``).
+
+Who calls what:
+- Ray Serve calls ``build_app(args)`` with the ``args`` mapping of a Serve config (``serve run``/``serve deploy``,
+  KubeRay's ``serveConfigV2``) or of ``kvstack serve``; ``build_app`` parses it once with
+  ``AppConfig.model_validate(args)`` and passes the parsed pieces down (the engine settings to every
+  ``VLLMReplica``, the router settings to ``OpenAIIngress``, the pool settings to each node's ``PoolShard``).
+- ``check_spec_names`` resolves the spec names (model spec, GPU profile, tiers) against the loaded
+  ``configs/specs`` tables; ``build_app`` calls it so a typo fails at deploy time, not at the first request.
+- ``serve_autoscaling_config`` / ``serve_ray_actor_options`` give the Serve deployment options that the app
+  applies to the replica deployment; a Serve config that also overrides them per deployment must agree
+  (``tests/unit/test_k8s_manifests.py`` checks the Kubernetes manifests do).
+
+Contract for ``build_app``: it only builds the deployment graph (no Ray calls, no model or file access); files and
+engines are touched when the replicas start. Unknown keys anywhere are rejected (``extra="forbid"``); every field
+has its default here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs.loader import pick
+from configs.schema import GpuProfile, ModelSpec, TierSpec
+from deployments.engine_settings import EngineSettings
+
+APP_CONFIG_VERSION = 1
+
+PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity", "cost_based"]
+# Where a prefix can come from, as the router prices it: the replica's own HBM, the DRAM / SSD of the pool shard on
+# the replica's node, or the DRAM / SSD of a shard on another node (over the network).
+TierRole = Literal["hbm", "local_dram", "remote_dram", "local_ssd", "remote_ssd"]
+TransferBackend = Literal["nixl", "tcp"]
+
+DEFAULT_TIER_MAP: dict[str, str] = {
+    "hbm": "hbm",
+    "local_dram": "cpu-dram",
+    "remote_dram": "rdma-pool",
+    "local_ssd": "local-ssd",
+    "remote_ssd": "remote-block",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingSettings(_Strict):
+    """Serve autoscaling of the replica deployment on ongoing requests per replica."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(ge=1)
+    target_ongoing_requests: float = Field(default=8.0, gt=0)
+    initial_replicas: int | None = Field(default=None, ge=0)
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) outside [{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+
+class ReplicaSettings(_Strict):
+    """The vLLM replica deployment: a fixed count or autoscaling, and the resources of one replica."""
+
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: AutoscalingSettings | None = None
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (0 on CPU clusters)")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
+    max_ongoing_requests: int = Field(default=32, ge=1)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ReplicaSettings:
+        if (self.num_replicas is None) == (self.autoscaling_config is None):
+            raise ValueError("set exactly one of replicas.num_replicas and replicas.autoscaling_config")
+        return self
+
+
+class RouterSettings(_Strict):
+    """The routing policy and the specs it prices with (names from ``configs/specs/*.yaml``)."""
+
+    policy: PolicyName = "cost_based"
+    model_spec: str = Field(description="model name in configs/specs/models.yaml (the cost model's view)")
+    gpu_profile: str = Field(description="GPU name in configs/specs/gpus.yaml")
+    tiers: dict[TierRole, str] = Field(
+        default_factory=lambda: dict(DEFAULT_TIER_MAP), description="tier role -> tier name in tiers.yaml"
+    )
+
+    @model_validator(mode="after")
+    def _hbm_priced(self) -> RouterSettings:
+        if "hbm" not in self.tiers:
+            raise ValueError("router.tiers must map 'hbm' (the replica's own prefix cache)")
+        return self
+
+
+class PoolSettings(_Strict):
+    """The KV pool shard on each node: DRAM arena, optional SSD directory, transfer backend."""
+
+    enabled: bool = True
+    dram_bytes: int = Field(gt=0, description="DRAM arena per node shard, bytes")
+    ssd_dir: str | None = Field(default=None, description="directory for the SSD tier (a local NVMe mount)")
+    ssd_bytes: int = Field(default=0, ge=0, description="SSD tier capacity per node shard, bytes (0: no SSD tier)")
+    transfer_backend: TransferBackend = "nixl"
+    metrics_port: int | None = Field(
+        default=9101, ge=1024, le=65535, description="HTTP port of the shard's Prometheus exposition (None: off)"
+    )
+
+    @model_validator(mode="after")
+    def _ssd(self) -> PoolSettings:
+        if self.ssd_bytes > 0 and not self.ssd_dir:
+            raise ValueError("pool.ssd_bytes > 0 needs pool.ssd_dir")
+        return self
+
+
+class IngressSettings(_Strict):
+    """The OpenAI ingress (router) deployment."""
+
+    num_replicas: int = Field(default=1, ge=1)
+
+
+class AppConfig(_Strict):
+    """Everything ``build_app`` needs; one YAML/JSON mapping (Serve ``args``)."""
+
+    version: Literal[1] = APP_CONFIG_VERSION
+    engine: EngineSettings
+    replicas: ReplicaSettings
+    router: RouterSettings
+    pool: PoolSettings
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
+
+    def check_spec_names(
+        self,
+        models: Mapping[str, ModelSpec],
+        gpus: Mapping[str, GpuProfile],
+        tiers: Mapping[str, TierSpec],
+    ) -> None:
+        """Raise ``configs.loader.UnknownNameError`` (listing the known names) for a name no spec defines."""
+        pick("model", models, self.router.model_spec)
+        pick("GPU", gpus, self.router.gpu_profile)
+        for tier_name in self.router.tiers.values():
+            pick("tier", tiers, tier_name)
+
+    def serve_autoscaling_config(self) -> dict[str, float | int] | None:
+        """The replica deployment's Serve ``autoscaling_config`` (None for a fixed replica count)."""
+        auto = self.replicas.autoscaling_config
+        if auto is None:
+            return None
+        return auto.model_dump(exclude_none=True)
+
+    def serve_ray_actor_options(self) -> dict[str, float]:
+        """The replica deployment's Serve ``ray_actor_options`` resources."""
+        return {"num_cpus": self.replicas.num_cpus, "num_gpus": self.replicas.num_gpus}

@@ -1,0 +1,64 @@
+"""Typed settings of one vLLM engine (a replica), shared by the app builder, the replica and the benchmarks.
+
+Parsed once by the entrypoint (``deployments.app_config.AppConfig`` embeds it) and passed to
+``deployments.replica.VLLMReplica``; pydantic with ``extra="forbid"``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConnectorSettings(BaseModel):
+    """The vLLM KV connector to load (registered from outside vLLM by module path)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "KvPoolConnector"
+    module_path: str = "kvpool.connector"
+    extra_config: dict[str, object] = Field(default_factory=dict)
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str = Field(description="local model directory (weights + tokenizer)")
+    served_model_name: str = Field(description="the name clients put in `model`")
+    max_model_len: int = Field(default=4096, gt=0)
+    block_size: int = Field(default=128, gt=0, description="KV block size in tokens (128 on the CPU backend)")
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    kv_cache_memory_bytes: int | None = Field(default=512 * 2**20, gt=0)
+    kv_bytes_per_token: int | None = Field(
+        default=None, gt=0, description="for the HBM ledger's capacity; derived from the model config if unset"
+    )
+    enforce_eager: bool = True
+    max_num_seqs: int = Field(default=16, gt=0)
+    seed: int = 0
+    omp_threads: int = Field(default=1, gt=0)
+    kv_connector: ConnectorSettings | None = None
+
+    def hbm_capacity_blocks(self) -> int:
+        """KV blocks the engine can hold (for the router's HBM prefix estimate)."""
+        if self.kv_cache_memory_bytes is None:
+            return 1 << 20
+        per_token = self.kv_bytes_per_token or _kv_bytes_per_token_from_model(self.model_path)
+        return max(1, self.kv_cache_memory_bytes // (per_token * self.block_size))
+
+
+def _kv_bytes_per_token_from_model(model_path: str) -> int:
+    """2 (K,V) x kv heads x head dim x full-attention layers x dtype bytes, from the HF config.json."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        layers = sum(1 for t in layer_types if t == "full_attention")
+    elif cfg.get("full_attention_interval"):
+        layers = layers // int(cfg["full_attention_interval"])
+    return 2 * heads * head_dim * layers * 2

@@ -1,0 +1,236 @@
+"""The vLLM replica: a Ray Serve deployment wrapping vLLM's ``AsyncLLM`` (optionally with the kvpool connector).
+
+Who calls what:
+- ``router.ingress.OpenAIIngress`` calls ``generate(GenerateRequest)`` through a Serve handle (streaming) after
+  ``deployments.request_router.DecisionRequestRouter`` picked this replica for it; it receives ``GenerateChunk``s.
+- The replica publishes its routing stats (running/waiting requests, KV use, the block keys of prefixes it has
+  computed — its HBM prefix cache as the router models it) to the ``router.hub.ClusterViewHub`` actor every
+  ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
+- ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
+
+The HBM view is the replica's own record of which prompt blocks it computed, bounded LRU at the engine's KV
+capacity in blocks; it is an estimate of vLLM's cache (vLLM may evict earlier under memory pressure), which is why
+the policy treats it as a prediction and the regret metric measures how wrong it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from deployments.engine_settings import EngineSettings
+from router.hub import DEFAULT_HUB_NAME, ReplicaReport, get_or_create_hub
+from router.wire import GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version
+
+log = logging.getLogger("kvstack.replica")
+
+
+class HbmPrefixLedger:
+    """Bounded LRU of block keys the replica computed; produces stored/removed deltas for the hub."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+
+    def touch(self, keys: list[bytes]) -> None:
+        for key in keys:
+            if key in self._keys:
+                self._keys.move_to_end(key)
+                continue
+            self._keys[key] = None
+            self._stored.append(key)
+        while len(self._keys) > self.capacity:
+            old, _ = self._keys.popitem(last=False)
+            self._removed.append(old)
+
+    def clear(self) -> None:
+        self._removed.extend(self._keys)
+        self._keys.clear()
+
+    def drain(self) -> tuple[list[bytes], list[bytes]]:
+        stored, removed = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return stored, removed
+
+    def snapshot(self) -> list[bytes]:
+        return list(self._keys)
+
+
+def to_sampling_params(s: Sampling, *, stream: bool) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        logprobs=s.logprobs,
+        ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def build_engine_args(engine: EngineSettings) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=engine.model_path,
+        tokenizer=engine.model_path,
+        served_model_name=engine.served_model_name,
+        max_model_len=engine.max_model_len,
+        block_size=engine.block_size,
+        dtype=engine.dtype,
+        enforce_eager=engine.enforce_eager,
+        enable_prefix_caching=True,
+        seed=engine.seed,
+        max_num_seqs=engine.max_num_seqs,
+    )
+    if engine.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+    if engine.kv_connector is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=engine.kv_connector.name,
+            kv_connector_module_path=engine.kv_connector.module_path,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(engine.kv_connector.extra_config),
+        )
+    return AsyncEngineArgs(**kwargs)
+
+
+class VLLMReplica:
+    """Serve deployment body (``serve.deployment`` is applied by ``deployments.app``)."""
+
+    def __init__(self, engine: dict[str, Any] | EngineSettings, hub_name: str | None = DEFAULT_HUB_NAME,
+                 hub_namespace: str | None = None, stats_interval_s: float = 0.5) -> None:
+        import ray
+        from ray import serve
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.omp_threads))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
+        started = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings))
+        self.startup_s = time.monotonic() - started
+        capacity_blocks = max(1, self.settings.hbm_capacity_blocks())
+        self.ledger = HbmPrefixLedger(capacity_blocks)
+        self.running = 0
+        self.waiting = 0
+        self._seq = 0
+        self._hub = None
+        if hub_name:
+            self._hub = get_or_create_hub(hub_name, hub_namespace)
+        self._stats_interval_s = stats_interval_s
+        self._publisher = asyncio.get_event_loop().create_task(self._publish_loop()) if self._hub else None
+        log.info("replica %s on node %s: engine up in %.1f s", self.replica_id, self.node_id[:8], self.startup_s)
+
+    # -- serving ---------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest | bytes) -> AsyncIterator[GenerateChunk]:
+        if isinstance(request, bytes):
+            request = msgspec.msgpack.decode(request, type=GenerateRequest)
+        check_version(request.version, "GenerateRequest")
+        params = to_sampling_params(request.sampling, stream=request.stream)
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        self.waiting += 1
+        first = True
+        prompt_tokens = len(request.prompt_token_ids)
+        try:
+            async for out in self.engine.generate(prompt, params, request.request_id):
+                if first:
+                    self.waiting -= 1
+                    self.running += 1
+                    first = False
+                cached = out.num_cached_tokens or 0
+                for comp in out.outputs:
+                    yield GenerateChunk(
+                        index=comp.index,
+                        text=comp.text,
+                        token_ids=list(comp.token_ids),
+                        logprobs=self._logprobs(comp) if request.sampling.logprobs is not None else None,
+                        finish_reason=comp.finish_reason,
+                        prompt_tokens=prompt_tokens,
+                        cached_tokens=cached,
+                        replica_id=self.replica_id,
+                    )
+        except asyncio.CancelledError:
+            await self.engine.abort(request.request_id)
+            raise
+        finally:
+            if first:
+                self.waiting -= 1
+            else:
+                self.running -= 1
+            self.ledger.touch(list(request.block_keys))
+
+    @staticmethod
+    def _logprobs(comp: Any) -> list[list[TokenLogprob]]:
+        out: list[list[TokenLogprob]] = []
+        for token_id, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            row = [TokenLogprob(token_id, entry[token_id].decoded_token or "", entry[token_id].logprob)]
+            row += [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked if tid != token_id]
+            out.append(row)
+        return out
+
+    # -- control ---------------------------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        ok = await self.engine.reset_prefix_cache()
+        self.ledger.clear()
+        return bool(ok) if ok is not None else True
+
+    async def info(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
+                "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot())}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook (read by request routers that use it)."""
+        return {"running": self.running, "waiting": self.waiting}
+
+    async def check_health(self) -> None:
+        if self.engine.errored:
+            raise RuntimeError(f"vLLM engine of replica {self.replica_id} has errored")
+
+    async def _publish_loop(self) -> None:
+        first = True
+        while True:
+            stored, removed = self.ledger.drain()
+            self._seq += 1
+            report = ReplicaReport(
+                replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
+                waiting=self.waiting, stored=self.ledger.snapshot() if first else stored,
+                removed=[] if first else removed, full=first, sent_at=time.time(),
+            )
+            try:
+                await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)
+                first = False
+            except Exception as exc:  # hub restarting: resend a full snapshot next time
+                log.warning("replica %s: stats publish failed: %s", self.replica_id, exc)
+                first = True
+            await asyncio.sleep(self._stats_interval_s)
+
+    def __del__(self) -> None:
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.cancel()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,46 @@
+"""DecisionRequestRouter: a thin Ray Serve ``RequestRouter`` that honours the ingress's routing decision.
+
+Who calls what: Ray Serve calls ``choose_replicas`` inside the caller's process (the ingress replica's handle to
+the ``VLLMReplica`` deployment) for every request. The policy already chose a replica (``router.policies``); its
+Serve unique id travels in ``GenerateRequest.target_replica``. This router ranks that replica first and the rest
+by least load behind it, so if the chosen replica died or is full, Serve falls back to least-loaded — the decision
+is never second-guessed otherwise. Requests without a target (control calls) go least-loaded.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from router.wire import GenerateRequest
+
+
+def _target_of(pending: PendingRequest | None) -> str | None:
+    if pending is None:
+        return None
+    for arg in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(arg, GenerateRequest):
+            return arg.target_replica
+    return None
+
+
+def _load(replica: RunningReplica) -> float:
+    stats: dict[str, Any] = replica.routing_stats or {}
+    return float(stats.get("running", 0)) + float(stats.get("waiting", 0))
+
+
+class DecisionRequestRouter(FIFOMixin, RequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        target = _target_of(pending_request)
+        ranked = sorted(candidate_replicas, key=lambda r: (_load(r), random.random()))
+        if target is not None:
+            chosen = [r for r in ranked if r.replica_id.unique_id == target]
+            if chosen:
+                return [chosen, [r for r in ranked if r.replica_id.unique_id != target]]
+        return [ranked]

@@ -1,0 +1,81 @@
+"""The SSD tier's storage: one preallocated slab file in a directory, fixed-size slots, positional I/O.
+
+Who calls what: the block store (``kvpool.store``) allocates SSD slots, writes a demoted block from its arena slot
+(``write``), and reads a block back into an arena slot (``read_into``) before verifying its checksum.
+
+Layout choice, measured on this machine (``/tmp/ssd_probe.py`` in the pool report; 5 runs, median, page cache
+warm): one slab file with ``pwrite``/``preadv`` at ``slot * slot_bytes`` writes 3.4 GB/s (64 KiB blocks) and
+4.4 GB/s (1 MiB), reads 4.0 / 6.2 GB/s; one file per block (write tmp + rename, open + read) writes 0.13 / 0.73
+GB/s and reads 3.4 / 5.6 GB/s. The slab wins (26x on small writes: no create/rename/close per block), so it is
+kept. Reads go through the page cache (O_DIRECT reads measured 0.25 / 1.2 GB/s cold on this disk).
+
+The index lives in the store's memory; the slab is a cache, not a database: it is recreated empty when the tier
+opens, so a restarted shard never serves bytes it cannot vouch for. Space is reserved up front
+(``posix_fallocate``) so a full disk fails at start, not mid-demotion.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SLAB_NAME = "kvpool.slab"
+
+
+class SsdSlab:
+    def __init__(self, directory: str | os.PathLike[str], slot_bytes: int, n_slots: int) -> None:
+        if slot_bytes <= 0 or n_slots <= 0:
+            raise ValueError(f"ssd tier needs positive slot_bytes and n_slots, got {slot_bytes} x {n_slots}")
+        self.slot_bytes = slot_bytes
+        self.n_slots = n_slots
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / SLAB_NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, slot_bytes * n_slots)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self._free: list[int] = list(range(n_slots - 1, -1, -1))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        take = min(max(n, 0), len(self._free))
+        return [self._free.pop() for _ in range(take)]
+
+    def free(self, slots: list[int]) -> None:
+        for s in slots:
+            if not 0 <= s < self.n_slots:
+                raise ValueError(f"ssd slot {s} out of range [0, {self.n_slots})")
+            self._free.append(s)
+
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def write(self, slot: int, data: memoryview) -> None:
+        if len(data) != self.slot_bytes:
+            raise ValueError(f"ssd write of {len(data)} bytes, slot is {self.slot_bytes}")
+        off = self.offset(slot)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], off + done)
+
+    def read_into(self, slot: int, out: memoryview) -> int:
+        """Read one slot into ``out``; returns the bytes read (short only if the file was truncated)."""
+        off = self.offset(slot)
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], off + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

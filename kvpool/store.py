@@ -1,0 +1,578 @@
+"""The block store: one shard's DRAM and SSD tiers, without Ray. The mechanism; eviction order is a policy object.
+
+Who calls what: the shard actor (``kvpool.shard``) owns one ``BlockStore``, serializes calls to it under a lock,
+registers ``store.arena.buffer`` with its transfer endpoint and sweeps expiries periodically (``sweep``). Tests
+drive it directly with an injected clock.
+
+Life of a block:
+1. ``reserve(n)`` hands out up to ``n`` DRAM slots (fewer when DRAM is full of leased/reserved blocks) that expire
+   after ``reservation_ttl_s``. The writer fills them (a NIXL write into the arena, or a local copy).
+2. ``commit(reservation_id, keys, checksums, fingerprint)`` recomputes each block's checksum over the arena bytes;
+   matching blocks become visible (an event ``STORED``), mismatching ones are dropped and counted. Slots not
+   committed go back to the free list. ``abort`` or expiry returns every slot: nothing of it is ever visible.
+3. ``lookup(keys, fingerprint)`` answers how many leading keys are held, and in which tier, with no side effects
+   (no LRU touch, no sweep). An entry of another layout fingerprint is a miss.
+4. ``lease(keys, fingerprint, ttl_s)`` pins the longest available prefix and returns where each block lies in the
+   arena (offset, length, checksum). SSD blocks are promoted first: read into a DRAM slot, checksum verified,
+   the SSD slot freed (event ``TIER_CHANGED``). DRAM blocks are verified too. A block that fails its checksum is
+   removed (event ``REMOVED``), counted in ``kvstack_pool_checksum_failures_total`` and ends the prefix there:
+   never data. Leased blocks are never demoted or evicted; ``release`` or expiry unpins them.
+5. DRAM full (a reserve or a promotion needs slots) → the DRAM policy's unpinned victims are demoted to SSD
+   (``TIER_CHANGED``); SSD full → the SSD policy's victims are evicted (``REMOVED``). Without an SSD tier, DRAM
+   victims are evicted.
+
+Every block is ``slot_bytes`` long (one shard serves one block size, the layout's offloaded bytes per block) and
+its checksum covers all of it (``kvpool.checksum.block_checksum``). Writes racing a reservation's expiry are the
+writer's problem: readers get the checksum with the lease and can verify after the transfer.
+Not thread-safe: the owner serializes calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from kvpool.arena import DramArena
+from kvpool.checksum import block_checksum
+from kvpool.eviction import EvictionPolicy, LruPolicy
+from kvpool.events import EVENTS_WIRE_VERSION, EventBatch, EventKind, EventLog, ShardSnapshot, Tier
+from kvpool.keys import KEY_BYTES
+from kvpool.metrics import PoolMetrics
+from kvpool.ssd import SsdSlab
+
+Clock = Callable[[], float]
+
+
+class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sizes and timeouts of one shard's store. ``ssd_slots=0`` (or no ``ssd_dir``) = DRAM only."""
+
+    slot_bytes: int
+    dram_slots: int
+    ssd_dir: str = ""
+    ssd_slots: int = 0
+    reservation_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    verify_dram_on_lease: bool = True
+    event_log_capacity: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.slot_bytes <= 0 or self.dram_slots <= 0:
+            raise ValueError(f"slot_bytes and dram_slots must be positive ({self.slot_bytes}, {self.dram_slots})")
+        if self.ssd_slots < 0:
+            raise ValueError(f"ssd_slots must be >= 0, got {self.ssd_slots}")
+        if self.ssd_slots and not self.ssd_dir:
+            raise ValueError("ssd_slots > 0 needs ssd_dir")
+        if self.reservation_ttl_s <= 0 or self.max_lease_ttl_s <= 0:
+            raise ValueError("ttls must be positive")
+
+
+class Reservation(msgspec.Struct, frozen=True):
+    """DRAM slots to write into: arena ``offsets[i]`` holds ``slot_bytes`` bytes of block i. May hold fewer slots
+    than asked for (DRAM full of pinned blocks)."""
+
+    reservation_id: int
+    slots: list[int]
+    offsets: list[int]
+    slot_bytes: int
+    expires_at: float
+
+
+class CommitResult(msgspec.Struct, frozen=True):
+    """Indices into the committed ``keys``: made visible / checksum mismatch (dropped) / already held (dropped)."""
+
+    committed: list[int]
+    rejected: list[int]
+    duplicate: list[int]
+    error: str = ""
+
+
+class LookupResult(msgspec.Struct, frozen=True):
+    """Leading keys held (``prefix``) and how many of those are in each tier."""
+
+    prefix: int
+    dram: int
+    ssd: int
+
+
+class LeasedBlock(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    offset: int  # in the arena (the shard's registered region)
+    length: int
+    checksum: int
+    from_tier: Tier  # where it was found (SSD blocks were promoted to DRAM for the lease)
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """Pinned blocks for keys[0:len(blocks)]; ``lease_id`` 0 = nothing leased (nothing to release)."""
+
+    lease_id: int
+    blocks: list[LeasedBlock]
+    expires_at: float
+    ttl_s: float
+
+
+class TierStats(msgspec.Struct, frozen=True):
+    capacity: int
+    blocks: int
+    free: int
+
+
+class StoreStats(msgspec.Struct, frozen=True):
+    shard_id: str
+    epoch: str
+    slot_bytes: int
+    dram: TierStats
+    ssd: TierStats
+    reserved_slots: int
+    leases: int
+    reservations: int
+    event_seq: int
+    counters: dict[str, int]
+
+
+class EntryInfo(msgspec.Struct, frozen=True):
+    """Where a visible block lies (for tests, debugging and the SSD transfer path)."""
+
+    tier: Tier
+    slot: int
+    offset: int
+    path: str  # slab file for SSD, "" for DRAM
+    checksum: int
+    fingerprint: str
+    pins: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: bytes
+    tier: Tier
+    slot: int
+    checksum: int
+    fingerprint: str
+    pins: int = 0
+
+
+@dataclass(slots=True)
+class _Reserved:
+    slots: list[int]
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Leased:
+    keys: list[bytes]
+    expires_at: float
+
+
+COUNTER_NAMES = (
+    "committed",
+    "commit_rejected",
+    "duplicates",
+    "hits_dram",
+    "hits_ssd",
+    "misses",
+    "evictions_dram",
+    "evictions_ssd",
+    "demotions",
+    "promotions",
+    "checksum_failures_dram",
+    "checksum_failures_ssd",
+    "leases_expired",
+    "reservations_expired",
+    "aborts",
+)
+
+
+class BlockStore:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        shard_id: str = "local",
+        clock: Clock = time.monotonic,
+        metrics: PoolMetrics | None = None,
+        dram_policy: EvictionPolicy | None = None,
+        ssd_policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.shard_id = shard_id
+        self.epoch = uuid.uuid4().hex
+        self._clock = clock
+        self.metrics = metrics if metrics is not None else PoolMetrics(shard_id)
+        self.arena = DramArena(config.slot_bytes, config.dram_slots)
+        self.ssd: SsdSlab | None = None
+        if config.ssd_slots and config.ssd_dir:
+            self.ssd = SsdSlab(Path(config.ssd_dir), config.slot_bytes, config.ssd_slots)
+        self._policy = {Tier.DRAM: dram_policy or LruPolicy(), Tier.SSD: ssd_policy or LruPolicy()}
+        self._entries: dict[bytes, _Entry] = {}
+        self._held = {Tier.DRAM: 0, Tier.SSD: 0}  # visible blocks per tier
+        self._reservations: dict[int, _Reserved] = {}
+        self._leases: dict[int, _Leased] = {}
+        self._ids = itertools.count(1)
+        self._log = EventLog(shard_id, self.epoch, config.event_log_capacity)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._publish_gauges()
+
+    # ------------------------------------------------------------------ write path
+    def reserve(self, n: int) -> Reservation:
+        if n < 0:
+            raise ValueError(f"reserve needs n >= 0, got {n}")
+        now = self._clock()
+        self.sweep(now)
+        slots = self._alloc_dram(n)
+        rid = next(self._ids)
+        expires = now + self.config.reservation_ttl_s
+        if slots:
+            self._reservations[rid] = _Reserved(slots, expires)
+        self._publish_gauges()
+        return Reservation(rid, slots, [self.arena.offset(s) for s in slots], self.config.slot_bytes, expires)
+
+    def commit(
+        self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str
+    ) -> CommitResult:
+        """Make ``keys[i]`` visible from reservation slot i if its arena bytes match ``checksums[i]``."""
+        if len(keys) != len(checksums):
+            raise ValueError(f"commit: {len(keys)} keys but {len(checksums)} checksums")
+        for k in keys:
+            if len(k) != KEY_BYTES:
+                raise ValueError(f"commit: block keys are {KEY_BYTES} bytes, got {len(k)}")
+        if not fingerprint:
+            raise ValueError("commit: empty layout fingerprint")
+        self.sweep(self._clock())
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            return CommitResult([], list(range(len(keys))), [], error=f"unknown or expired reservation {reservation_id}")
+        if len(keys) > len(res.slots):
+            self._reservations[reservation_id] = res
+            raise ValueError(f"commit: {len(keys)} keys for a reservation of {len(res.slots)} slots")
+        committed: list[int] = []
+        rejected: list[int] = []
+        duplicate: list[int] = []
+        to_free: list[int] = list(res.slots[len(keys) :])
+        for i, (key, ck) in enumerate(zip(keys, checksums, strict=True)):
+            key = bytes(key)
+            slot = res.slots[i]
+            if key in self._entries:
+                duplicate.append(i)
+                to_free.append(slot)
+                continue
+            if block_checksum(self.arena.view(slot)) != ck:
+                rejected.append(i)
+                to_free.append(slot)
+                self._count("checksum_failures_dram")
+                self._count("commit_rejected")
+                self.metrics.checksum_failure(Tier.DRAM.value, "commit")
+                continue
+            self._entries[key] = _Entry(key, Tier.DRAM, slot, int(ck), fingerprint)
+            self._held[Tier.DRAM] += 1
+            self._policy[Tier.DRAM].insert(key, float(self.config.slot_bytes))
+            self._log.append(EventKind.STORED, key, Tier.DRAM)
+            committed.append(i)
+        self.arena.free(to_free)
+        self._count("committed", len(committed))
+        self._count("duplicates", len(duplicate))
+        self.metrics.committed(len(committed))
+        self._publish_gauges()
+        return CommitResult(committed, rejected, duplicate)
+
+    def abort(self, reservation_id: int) -> bool:
+        """Return a reservation's slots; False if it was unknown (already committed, aborted or expired)."""
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            return False
+        self.arena.free(res.slots)
+        self._count("aborts")
+        self._publish_gauges()
+        return True
+
+    # ------------------------------------------------------------------ read path
+    def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupResult:
+        """Leading keys held under ``fingerprint``; no side effects on the store."""
+        dram = ssd = 0
+        for key in keys:
+            e = self._entries.get(bytes(key))
+            if e is None or e.fingerprint != fingerprint:
+                break
+            if e.tier is Tier.DRAM:
+                dram += 1
+            else:
+                ssd += 1
+        self.metrics.lookup()
+        return LookupResult(dram + ssd, dram, ssd)
+
+    def lease(self, keys: Sequence[bytes], fingerprint: str, ttl_s: float) -> Lease:
+        """Pin the longest held prefix of ``keys`` (promoting SSD blocks) for ``ttl_s`` seconds."""
+        if ttl_s <= 0 or ttl_s > self.config.max_lease_ttl_s:
+            raise ValueError(f"lease ttl must be in (0, {self.config.max_lease_ttl_s}], got {ttl_s}")
+        now = self._clock()
+        self.sweep(now)
+        prefix: list[_Entry] = []
+        for raw in keys:
+            e = self._entries.get(bytes(raw))
+            if e is None or e.fingerprint != fingerprint:
+                break
+            prefix.append(e)
+        prefix = prefix[: self._servable(prefix)]
+        # Pin the servable prefix first, so promoting its SSD blocks never demotes blocks of the same lease.
+        for e in prefix:
+            e.pins += 1
+        blocks: list[LeasedBlock] = []
+        for e in prefix:
+            found_in = e.tier
+            if found_in is Tier.SSD:
+                if not self._promote(e):
+                    break
+            elif self.config.verify_dram_on_lease and block_checksum(self.arena.view(e.slot)) != e.checksum:
+                e.pins -= 1
+                self._corrupted(e, "lease")
+                e.pins += 1  # undone with the rest of the cut below
+                break
+            self._policy[Tier.DRAM].touch(e.key)
+            blocks.append(LeasedBlock(e.key, self.arena.offset(e.slot), self.config.slot_bytes, e.checksum, found_in))
+            self._count("hits_dram" if found_in is Tier.DRAM else "hits_ssd")
+            self.metrics.hit(found_in.value)
+        for e in prefix[len(blocks) :]:
+            e.pins -= 1
+        pinned = [e.key for e in prefix[: len(blocks)]]
+        missed = len(keys) - len(blocks)
+        self._count("misses", missed)
+        self.metrics.miss(missed)
+        lease_id = 0
+        if pinned:
+            lease_id = next(self._ids)
+            self._leases[lease_id] = _Leased(pinned, now + ttl_s)
+        self._publish_gauges()
+        return Lease(lease_id, blocks, now + ttl_s, ttl_s)
+
+    def release(self, lease_id: int) -> bool:
+        """Unpin a lease's blocks; False if it was unknown (already released or expired)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._unpin(lease.keys)
+        self._publish_gauges()
+        return True
+
+    def read_block(self, key: bytes, fingerprint: str) -> bytes | None:
+        """Copy of one visible block's bytes, checksum-verified (SSD blocks read from the slab without promotion);
+        None on a miss or a checksum failure. For local readers and tests; remote readers lease and transfer."""
+        e = self._entries.get(bytes(key))
+        if e is None or e.fingerprint != fingerprint:
+            return None
+        if e.tier is Tier.DRAM:
+            data = bytes(self.arena.view(e.slot))
+        else:
+            assert self.ssd is not None  # an SSD entry implies an SSD tier
+            buf = bytearray(self.config.slot_bytes)
+            n = self.ssd.read_into(e.slot, memoryview(buf))
+            data = bytes(buf) if n == len(buf) else b""
+        if len(data) != self.config.slot_bytes or block_checksum(data) != e.checksum:
+            self._corrupted(e, "read")
+            self._publish_gauges()
+            return None
+        return data
+
+    # ------------------------------------------------------------------ maintenance
+    def sweep(self, now: float | None = None) -> tuple[int, int]:
+        """Expire leases and reservations whose deadline passed; returns (leases, reservations) expired."""
+        now = self._clock() if now is None else now
+        dead_leases = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
+        for lid in dead_leases:
+            self._unpin(self._leases.pop(lid).keys)
+        dead_res = [rid for rid, res in self._reservations.items() if res.expires_at <= now]
+        for rid in dead_res:
+            self.arena.free(self._reservations.pop(rid).slots)
+        if dead_leases or dead_res:
+            self._count("leases_expired", len(dead_leases))
+            self._count("reservations_expired", len(dead_res))
+            self.metrics.lease_expired(len(dead_leases))
+            self.metrics.reservation_expired(len(dead_res))
+            self._publish_gauges()
+        return len(dead_leases), len(dead_res)
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Move these unpinned DRAM blocks to SSD now (draining, tests); returns how many moved."""
+        moved = 0
+        for raw in keys:
+            e = self._entries.get(bytes(raw))
+            if e is not None and e.tier is Tier.DRAM and e.pins == 0 and self._demote(e):
+                moved += 1
+        self._publish_gauges()
+        return moved
+
+    def entry_info(self, key: bytes) -> EntryInfo | None:
+        e = self._entries.get(bytes(key))
+        if e is None:
+            return None
+        if e.tier is Tier.DRAM:
+            return EntryInfo(e.tier, e.slot, self.arena.offset(e.slot), "", e.checksum, e.fingerprint, e.pins)
+        assert self.ssd is not None
+        return EntryInfo(e.tier, e.slot, self.ssd.offset(e.slot), os.fspath(self.ssd.path), e.checksum,
+                         e.fingerprint, e.pins)
+
+    def events_since(self, after_seq: int, max_events: int = 4096) -> EventBatch:
+        return self._log.since(after_seq, max_events)
+
+    def snapshot(self) -> ShardSnapshot:
+        keys = list(self._entries)
+        return ShardSnapshot(
+            EVENTS_WIRE_VERSION, self.shard_id, self.epoch, self._log.seq, keys, [self._entries[k].tier for k in keys]
+        )
+
+    def stats(self) -> StoreStats:
+        n_dram, n_ssd = self._held[Tier.DRAM], self._held[Tier.SSD]
+        reserved = sum(len(r.slots) for r in self._reservations.values())
+        ssd_cap = self.ssd.n_slots if self.ssd else 0
+        ssd_free = self.ssd.free_count if self.ssd else 0
+        return StoreStats(
+            shard_id=self.shard_id,
+            epoch=self.epoch,
+            slot_bytes=self.config.slot_bytes,
+            dram=TierStats(self.arena.n_slots, n_dram, self.arena.free_count),
+            ssd=TierStats(ssd_cap, n_ssd, ssd_free),
+            reserved_slots=reserved,
+            leases=len(self._leases),
+            reservations=len(self._reservations),
+            event_seq=self._log.seq,
+            counters=dict(self.counters),
+        )
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()
+        self.arena.close()
+
+    # ------------------------------------------------------------------ internals
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def _unpin(self, keys: list[bytes]) -> None:
+        for key in keys:
+            e = self._entries.get(key)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+
+    def _evictable(self, key: bytes) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e.pins == 0
+
+    def _servable(self, prefix: list[_Entry]) -> int:
+        """Longest m such that the SSD blocks of prefix[:m] fit in DRAM: free slots plus unpinned DRAM blocks
+        outside prefix[:m] (the need grows and the supply shrinks with m, so the first overflow decides)."""
+        n_ssd = sum(1 for e in prefix if e.tier is Tier.SSD)
+        free = self.arena.free_count
+        if n_ssd <= free:
+            return len(prefix)
+        supply = free + sum(1 for e in self._entries.values() if e.tier is Tier.DRAM and e.pins == 0)
+        need = 0
+        for i, e in enumerate(prefix):
+            if e.tier is Tier.SSD:
+                need += 1
+            elif e.pins == 0:
+                supply -= 1  # a block of this lease cannot make room for it
+            if need > supply:
+                return i
+        return len(prefix)
+
+    def _alloc_dram(self, n: int) -> list[int]:
+        """Up to ``n`` DRAM slots, demoting (or evicting) unpinned LRU DRAM blocks to make room."""
+        slots = self.arena.alloc(n)
+        short = n - len(slots)
+        if short > 0:
+            for key in self._policy[Tier.DRAM].victims(short, self._evictable):
+                e = self._entries[key]
+                if not self._demote(e):
+                    self._drop(e, evicted=True)
+            slots += self.arena.alloc(short)
+        return slots
+
+    def _alloc_ssd(self) -> int | None:
+        if self.ssd is None:
+            return None
+        got = self.ssd.alloc(1)
+        if not got:
+            for key in self._policy[Tier.SSD].victims(1, self._evictable):
+                self._drop(self._entries[key], evicted=True)
+            got = self.ssd.alloc(1)
+        return got[0] if got else None
+
+    def _demote(self, e: _Entry) -> bool:
+        """DRAM → SSD; False when there is no SSD room (caller decides to drop)."""
+        slot = self._alloc_ssd()
+        if slot is None:
+            return False
+        assert self.ssd is not None
+        self.ssd.write(slot, self.arena.view(e.slot))
+        self.arena.free([e.slot])
+        self._policy[Tier.DRAM].remove(e.key)
+        e.tier, e.slot = Tier.SSD, slot
+        self._held[Tier.DRAM] -= 1
+        self._held[Tier.SSD] += 1
+        self._policy[Tier.SSD].insert(e.key, float(self.config.slot_bytes))
+        self._log.append(EventKind.TIER_CHANGED, e.key, Tier.SSD)
+        self._count("demotions")
+        self.metrics.demoted()
+        return True
+
+    def _promote(self, e: _Entry) -> bool:
+        """SSD → DRAM for a lease, checksum verified; False when there is no DRAM room or the bytes are bad."""
+        assert self.ssd is not None and e.tier is Tier.SSD
+        got = self._alloc_dram(1)
+        if not got:
+            return False
+        dslot = got[0]
+        n = self.ssd.read_into(e.slot, self.arena.view(dslot))
+        if n != self.config.slot_bytes or block_checksum(self.arena.view(dslot)) != e.checksum:
+            self.arena.free([dslot])
+            e.pins -= 1  # ours; SSD entries carry no other pins (leased blocks live in DRAM)
+            self._corrupted(e, "lease")
+            e.pins += 1  # the caller undoes its own pin
+            return False
+        self.ssd.free([e.slot])
+        self._policy[Tier.SSD].remove(e.key)
+        e.tier, e.slot = Tier.DRAM, dslot
+        self._held[Tier.SSD] -= 1
+        self._held[Tier.DRAM] += 1
+        self._policy[Tier.DRAM].insert(e.key, float(self.config.slot_bytes))
+        self._log.append(EventKind.TIER_CHANGED, e.key, Tier.DRAM)
+        self._count("promotions")
+        self.metrics.promoted()
+        return True
+
+    def _corrupted(self, e: _Entry, stage: str) -> None:
+        """Count a checksum failure; drop the entry unless another lease still pins it (its holder has the
+        checksum and verifies after transfer; the entry is dropped once unpinned and seen bad again)."""
+        tier = e.tier
+        self._count(f"checksum_failures_{tier.value}")
+        self.metrics.checksum_failure(tier.value, stage)
+        if e.pins == 0:
+            self._drop(e, evicted=False)
+
+    def _drop(self, e: _Entry, *, evicted: bool) -> None:
+        """Remove an entry from its tier and the index (event ``REMOVED``)."""
+        if e.tier is Tier.DRAM:
+            self.arena.free([e.slot])
+        else:
+            assert self.ssd is not None
+            self.ssd.free([e.slot])
+        self._policy[e.tier].remove(e.key)
+        del self._entries[e.key]
+        self._held[e.tier] -= 1
+        self._log.append(EventKind.REMOVED, e.key, e.tier)
+        if evicted:
+            self._count(f"evictions_{e.tier.value}")
+            self.metrics.evicted(e.tier.value)
+
+    def _publish_gauges(self) -> None:
+        n_dram, n_ssd = self._held[Tier.DRAM], self._held[Tier.SSD]
+        sb = self.config.slot_bytes
+        self.metrics.set_tier(Tier.DRAM.value, n_dram, n_dram * sb, self.arena.n_slots)
+        self.metrics.set_tier(Tier.SSD.value, n_ssd, n_ssd * sb, self.ssd.n_slots if self.ssd else 0)
+        self.metrics.set_active(len(self._leases), len(self._reservations))

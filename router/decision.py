@@ -1,0 +1,116 @@
+"""Decision records and the bounded audit log.
+
+Who calls what: ``PolicyRunner.decide`` builds one ``DecisionRecord`` per request and appends it to an
+``AuditLog``; when the request's first token arrives, the ingress (or the simulator) calls
+``AuditLog.record_actual`` (through ``PolicyRunner.record_actual``), which fills in the actual TTFT, the
+prediction error (actual − predicted of the chosen candidate) and the regret (actual − best predicted of all
+alternatives). ``kvstack status`` and tests read ``AuditLog.to_json()``.
+
+A record is a msgspec struct (``version`` = ``DECISION_VERSION``) so it can cross processes and be exported as
+JSON without hand-written converters; candidates and fetch plans are the policy contract's dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from router.policies.base import Action, Candidate, FetchPlan
+
+DECISION_VERSION = 1
+
+
+class DecisionRecord(msgspec.Struct, kw_only=True):
+    """One routing decision: what was chosen, why, what every alternative was predicted to cost, and later the
+    actual outcome. ``alternatives`` are the ranking's candidates best-first (the cheapest replicas and the best
+    of each action), each with its predicted TTFT."""
+
+    request_id: str
+    policy: str
+    action: Action
+    replica_id: str
+    fetch: FetchPlan | None
+    predicted_ttft_s: float
+    best_predicted_ttft_s: float
+    alternatives: tuple[Candidate, ...]
+    reason: str
+    prompt_tokens: int
+    block_size: int
+    hbm_tokens: int
+    fetched_tokens: int
+    decided_at: float
+    decision_latency_s: float
+    tie_break: str = ""
+    version: int = DECISION_VERSION
+    actual_ttft_s: float | None = None
+    prediction_error_s: float | None = None
+    regret_s: float | None = None
+
+    @property
+    def predicted_by_action(self) -> dict[str, float]:
+        """Best predicted TTFT per action among the alternatives."""
+        out: dict[str, float] = {}
+        for c in self.alternatives:
+            key = str(c.action)
+            if key not in out or c.predicted_ttft_s < out[key]:
+                out[key] = c.predicted_ttft_s
+        return out
+
+    def with_actual(self, actual_ttft_s: float) -> None:
+        """Fill in the measured TTFT, the prediction error and the regret (in place)."""
+        if actual_ttft_s < 0:
+            raise ValueError(f"actual TTFT must be >= 0, got {actual_ttft_s}")
+        self.actual_ttft_s = actual_ttft_s
+        self.prediction_error_s = actual_ttft_s - self.predicted_ttft_s
+        self.regret_s = actual_ttft_s - self.best_predicted_ttft_s
+
+
+class AuditLog:
+    """The last ``maxlen`` decisions, oldest dropped first, looked up by request id. Not thread-safe: one per
+    router (the ingress runs decisions on its event loop)."""
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        if maxlen <= 0:
+            raise ValueError(f"audit log maxlen must be positive, got {maxlen}")
+        self.maxlen = maxlen
+        self._records: deque[DecisionRecord] = deque()
+        self._by_id: dict[str, DecisionRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(self, record: DecisionRecord) -> None:
+        if len(self._records) >= self.maxlen:
+            old = self._records.popleft()
+            if self._by_id.get(old.request_id) is old:
+                del self._by_id[old.request_id]
+        self._records.append(record)
+        self._by_id[record.request_id] = record
+
+    def get(self, request_id: str) -> DecisionRecord | None:
+        return self._by_id.get(request_id)
+
+    def record_actual(self, request_id: str, actual_ttft_s: float) -> DecisionRecord | None:
+        """Attach the actual TTFT to the request's record; ``None`` if it already left the log."""
+        record = self._by_id.get(request_id)
+        if record is not None:
+            record.with_actual(actual_ttft_s)
+        return record
+
+    def recent(self, n: int | None = None) -> list[DecisionRecord]:
+        """The newest ``n`` records (all if ``None``), oldest first."""
+        if n is None or n >= len(self._records):
+            return list(self._records)
+        if n <= 0:
+            return []
+        return list(self._records)[-n:]
+
+    def to_json(self, n: int | None = None) -> bytes:
+        """The newest ``n`` records as a JSON array."""
+        return msgspec.json.encode(self.recent(n))
+
+
+def decode_records(data: bytes) -> list[DecisionRecord]:
+    """Inverse of ``AuditLog.to_json`` (for ``kvstack status`` and tests)."""
+    return msgspec.json.decode(data, type=list[DecisionRecord])

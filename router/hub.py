@@ -1,0 +1,121 @@
+"""ClusterViewHub: the named Ray actor through which replicas publish routing stats and ingresses read them.
+
+Who calls what:
+- Each ``deployments.replica.VLLMReplica`` calls ``publish_replica(encoded ReplicaReport)`` every ~0.5 s: its
+  load and the delta of HBM block keys since its last report (``full=True``: a whole snapshot, sent first and
+  after any publish failure).
+- Each ``router.ingress.OpenAIIngress`` replica calls ``poll(cursor)`` every ~0.1 s and applies the returned
+  reports, in order, to its own ``router.index`` view. A cursor older than the hub's bounded log gets a snapshot
+  (one full report per live replica) instead of deltas, so no reader ever applies a delta on top of a gap.
+- ``forget_replica`` is called by the app when Serve reports a replica gone; the ingress also drops replicas it has
+  not heard from within its TTL.
+
+Several ingress replicas read the same stream, so they hold the same view; herding is prevented in the policy
+runner (own in-flight counts + randomised tie-breaks), not here. Messages are versioned msgspec structs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+HUB_WIRE_VERSION = 1
+DEFAULT_HUB_NAME = "kvstack-cluster-view"
+
+
+class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = HUB_WIRE_VERSION
+    replica_id: str
+    node_id: str
+    seq: int  # per-replica sequence number, +1 per report
+    running: int
+    waiting: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    full: bool = False  # stored is the replica's whole HBM key set
+    sent_at: float = 0.0
+    gone: bool = False  # the replica left (forgotten)
+
+
+class PollReply(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = HUB_WIRE_VERSION
+    cursor: int
+    reports: list[ReplicaReport]
+    snapshot: bool = False  # reports is a full snapshot: readers must reset their replica view first
+
+
+class HubState:
+    """The hub's logic without Ray (unit-testable): a bounded log of reports plus each replica's full key set."""
+
+    def __init__(self, max_log: int = 4096) -> None:
+        self._log: deque[tuple[int, ReplicaReport]] = deque(maxlen=max_log)
+        self._next = 1
+        self._keys: dict[str, dict[bytes, None]] = {}
+        self._last: dict[str, ReplicaReport] = {}
+
+    def publish(self, report: ReplicaReport) -> None:
+        if report.version != HUB_WIRE_VERSION:
+            raise ValueError(f"ReplicaReport version {report.version}, hub speaks {HUB_WIRE_VERSION}")
+        keys = self._keys.setdefault(report.replica_id, {})
+        if report.full:
+            keys.clear()
+        for k in report.removed:
+            keys.pop(k, None)
+        for k in report.stored:
+            keys[k] = None
+        self._last[report.replica_id] = report
+        self._log.append((self._next, report))
+        self._next += 1
+
+    def forget(self, replica_id: str) -> None:
+        last = self._last.pop(replica_id, None)
+        self._keys.pop(replica_id, None)
+        if last is not None:
+            self._log.append((self._next, msgspec.structs.replace(last, stored=[], removed=[], gone=True)))
+            self._next += 1
+
+    def poll(self, cursor: int, max_reports: int = 2048) -> PollReply:
+        oldest = self._log[0][0] if self._log else self._next
+        if cursor < oldest - 1 or cursor > self._next - 1:
+            return self.snapshot()
+        out = [r for seq, r in self._log if seq > cursor][:max_reports]
+        return PollReply(cursor=cursor + len(out), reports=out)
+
+    def snapshot(self) -> PollReply:
+        reports = [
+            msgspec.structs.replace(last, stored=list(self._keys[rid]), removed=[], full=True)
+            for rid, last in self._last.items()
+        ]
+        return PollReply(cursor=self._next - 1, reports=reports, snapshot=True)
+
+
+class ClusterViewHub:
+    """Ray actor wrapper (``ray.remote(ClusterViewHub).options(name=DEFAULT_HUB_NAME, ...)``)."""
+
+    def __init__(self, max_log: int = 4096) -> None:
+        self._state = HubState(max_log)
+
+    def publish_replica(self, raw: bytes) -> None:
+        self._state.publish(msgspec.msgpack.decode(raw, type=ReplicaReport))
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._state.forget(replica_id)
+
+    def poll(self, cursor: int) -> bytes:
+        return msgspec.msgpack.encode(self._state.poll(cursor))
+
+    def ping(self) -> str:
+        return "ok"
+
+
+def get_or_create_hub(name: str = DEFAULT_HUB_NAME, namespace: str | None = None) -> object:
+    """The hub actor handle: created on first use (0 CPUs, detached so it outlives any one replica)."""
+    import ray
+
+    return (
+        ray.remote(ClusterViewHub)
+        .options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
+                 max_concurrency=64)
+        .remote()
+    )

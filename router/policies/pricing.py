@@ -1,0 +1,211 @@
+"""Fast pricing for the routing hot path: ``router.cost``'s formulas with per-hardware constants precomputed.
+
+Who calls what: the policies in ``router/policies/`` build one ``Pricer`` at construction (with the ``TierMap``
+the entrypoint parsed from ``configs``) and price candidates through it; the simulator and the ingress build the
+``TierMap`` once (``TierMap.from_tiers(configs.load_tiers())``) and pass it to ``make_policy``.
+
+Why not call ``router.cost`` directly: ``cost.ttft`` re-derives model and GPU constants on every call and
+``cost.ttft_split`` bisects 48 times; a decision over 64 replicas has a budget of ~100 µs. Here each replica
+costs a few float operations. The formulas are the same (``tests/unit/test_policies.py`` checks every function
+against its ``router.cost`` counterpart):
+
+    prefill(P, c)  = lin·(P − c) + quad·(P² − c²)           lin = 2N/F, quad = 4·n_q·d·L_attn/F, F = MFU·peak·gpus
+    fetch(n)       = latency + (n·kv_bytes_per_token + state_bytes) / (BW_util·BW_tier)      (n > 0, else 0)
+    HOLDER         = queue + prefill(P, hbm)
+    FETCH          = queue + shard_queue + fetch(pool − hbm) + prefill(P, pool)   (only the part beyond HBM moves)
+    RECOMPUTE      = queue + prefill(P, 0)
+    SPLIT          = queue + max(prefill(h, hbm), shard_queue + fetch(pool − h)) + prefill(P, pool)
+
+SPLIT's meeting point ``h`` (head compute == tail fetch) is the positive root of a quadratic (the closed form of
+``cost.split_point``'s bisection, generalised to a replica that already holds ``hbm`` tokens), then rounded to a
+block boundary because a fetch plan moves whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from configs.schema import TierSpec
+from router.cost import GB, TERA, Hardware, kv_bytes_per_token
+from router.policies.base import Action, Candidate, FetchPlan, PoolHit, ReplicaState, RouteRequest, StorageTier
+
+# Tier classes: index into HwCoeffs.lat / HwCoeffs.spb.
+DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class TierMap:
+    """Which ``TierSpec`` prices a fetch from a pool storage tier, by whether the shard shares the replica's node."""
+
+    dram_local: TierSpec
+    dram_remote: TierSpec
+    ssd_local: TierSpec
+    ssd_remote: TierSpec
+
+    @classmethod
+    def from_tiers(
+        cls,
+        tiers: Mapping[str, TierSpec],
+        *,
+        dram_local: str = "cpu-dram",
+        dram_remote: str = "rdma-pool",
+        ssd_local: str = "local-ssd",
+        ssd_remote: str | None = None,
+    ) -> TierMap:
+        """Map the reference tiers: DRAM same node → cpu-dram, DRAM other node → rdma-pool, SSD same node →
+        local-ssd, SSD other node → the slower (lower bandwidth) of local-ssd and rdma-pool unless named."""
+
+        def get(name: str) -> TierSpec:
+            try:
+                return tiers[name]
+            except KeyError:
+                raise KeyError(f"tier {name!r} not in the tier specs; known: {', '.join(sorted(tiers))}") from None
+
+        if ssd_remote is None:
+            a, b = get(ssd_local), get(dram_remote)
+            remote_ssd = min((a, b), key=lambda t: (t.bandwidth_gbps, -t.latency_s))
+        else:
+            remote_ssd = get(ssd_remote)
+        return cls(get(dram_local), get(dram_remote), get(ssd_local), remote_ssd)
+
+    def tier(self, storage: StorageTier, same_node: bool) -> TierSpec:
+        return self.by_class(tier_class(storage, same_node))
+
+    def by_class(self, cls_index: int) -> TierSpec:
+        return (self.dram_local, self.dram_remote, self.ssd_local, self.ssd_remote)[cls_index]
+
+
+def tier_class(storage: StorageTier, same_node: bool) -> int:
+    if storage == "dram":
+        return DRAM_LOCAL if same_node else DRAM_REMOTE
+    if storage == "ssd":
+        return SSD_LOCAL if same_node else SSD_REMOTE
+    raise ValueError(f"unknown storage tier {storage!r}; expected 'dram' or 'ssd'")
+
+
+class HwCoeffs:
+    """Per-hardware constants of the cost model (seconds per token, bytes per token, per tier class)."""
+
+    __slots__ = ("lin", "quad", "kvb", "state", "lat", "spb", "tiers")
+
+    def __init__(self, hw: Hardware, tier_map: TierMap | None) -> None:
+        model = hw.model
+        if not 0 < hw.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {hw.mfu}")
+        if not 0 < hw.bw_util <= 1:
+            raise ValueError(f"bw_util must be in (0, 1], got {hw.bw_util}")
+        if hw.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {hw.gpus}")
+        flops = hw.mfu * hw.gpu.bf16_tflops * TERA * hw.gpus
+        self.lin = 2.0 * model.params / flops
+        self.quad = 4.0 * model.n_q * model.head_dim * model.full_attention_layers / flops
+        self.kvb = float(kv_bytes_per_token(model))
+        self.state = float(model.linear_state_bytes())
+        self.tiers = tier_map
+        if tier_map is None:
+            self.lat: tuple[float, ...] = ()
+            self.spb: tuple[float, ...] = ()
+        else:
+            specs = (tier_map.dram_local, tier_map.dram_remote, tier_map.ssd_local, tier_map.ssd_remote)
+            self.lat = tuple(t.latency_s for t in specs)
+            self.spb = tuple(1.0 / (hw.bw_util * t.bandwidth_gbps * GB) for t in specs)
+
+    def prefill(self, tokens: float, cached: float) -> float:
+        return self.lin * (tokens - cached) + self.quad * (tokens * tokens - cached * cached)
+
+    def fetch(self, cls_index: int, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.lat[cls_index] + (tokens * self.kvb + self.state) * self.spb[cls_index]
+
+    def split(
+        self, cls_index: int, *, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
+    ) -> tuple[int, float] | None:
+        """Best block boundary ``k`` (in blocks) to compute [hbm, k·bs) while fetching [k·bs, prefix) and the
+        overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all."""
+        lat = self.lat[cls_index] + extra_latency_s
+        spb = self.spb[cls_index]
+        h0, c = hbm_tokens, prefix_tokens
+        b = self.lin + self.kvb * spb
+        cc = self.lin * h0 + self.quad * h0 * h0 + lat + (c * self.kvb + self.state) * spb
+        disc = b * b + 4.0 * self.quad * cc
+        h = 2.0 * cc / (b + math.sqrt(disc)) if b > 0 else c
+        k0 = int(h0) // block_size
+        k_end = int(c) // block_size
+        kf = int(h // block_size)
+        best: tuple[int, float] | None = None
+        for k in (kf, kf + 1):
+            if k <= k0 or k >= k_end:
+                continue  # k0: that is FETCH; k_end: no fetch, that is HOLDER/RECOMPUTE
+            t = k * block_size
+            head = self.lin * (t - h0) + self.quad * (t * t - h0 * h0)
+            tail = lat + ((c - t) * self.kvb + self.state) * spb
+            overlap = head if head > tail else tail
+            if best is None or overlap < best[1]:
+                best = (k, overlap)
+        return best
+
+
+class Pricer:
+    """Caches ``HwCoeffs`` per ``Hardware`` object (by identity: replicas of one deployment share the object)."""
+
+    __slots__ = ("tier_map", "_cache")
+
+    MAX_CACHED = 4096
+
+    def __init__(self, tier_map: TierMap | None = None) -> None:
+        self.tier_map = tier_map
+        self._cache: dict[int, tuple[Hardware, HwCoeffs]] = {}
+
+    def coeffs(self, hw: Hardware) -> HwCoeffs:
+        entry = self._cache.get(id(hw))
+        if entry is not None and entry[0] is hw:
+            return entry[1]
+        if len(self._cache) >= self.MAX_CACHED:
+            self._cache.clear()
+        co = HwCoeffs(hw, self.tier_map)
+        self._cache[id(hw)] = (hw, co)
+        return co
+
+    def require_tiers(self, policy: str) -> TierMap:
+        if self.tier_map is None:
+            raise ValueError(f"policy {policy!r} prices pool fetches and needs a tier_map (router.policies.pricing.TierMap)")
+        return self.tier_map
+
+
+def clamp_blocks(blocks: int, request: RouteRequest) -> int:
+    """A prefix can be no longer than the request's full blocks (nor negative)."""
+    limit = min(len(request.block_keys), max(request.prompt_tokens, 0) // request.block_size)
+    return max(0, min(blocks, limit))
+
+
+def local_candidate(pricer: Pricer, replica: ReplicaState, request: RouteRequest) -> Candidate:
+    """HOLDER when the replica holds a prefix in HBM, else RECOMPUTE, priced on that replica."""
+    co = pricer.coeffs(replica.hw)
+    prompt = float(max(request.prompt_tokens, 0))
+    cached = clamp_blocks(replica.hbm_prefix_blocks, request) * request.block_size
+    if cached > 0:
+        return Candidate(Action.HOLDER, replica.replica_id, replica.queue_delay_s + co.prefill(prompt, cached), cached)
+    return Candidate(Action.RECOMPUTE, replica.replica_id, replica.queue_delay_s + co.prefill(prompt, 0.0), 0)
+
+
+def fetch_candidate(pricer: Pricer, replica: ReplicaState, hit: PoolHit, request: RouteRequest) -> Candidate | None:
+    """FETCH of ``hit``'s prefix beyond the replica's own HBM prefix; ``None`` if the hit adds nothing."""
+    bs = request.block_size
+    hbm = clamp_blocks(replica.hbm_prefix_blocks, request)
+    end = clamp_blocks(hit.prefix_blocks, request)
+    if end <= hbm:
+        return None
+    co = pricer.coeffs(replica.hw)
+    cls_index = tier_class(hit.tier, hit.node_id == replica.node_id)
+    prompt = float(max(request.prompt_tokens, 0))
+    t = (
+        replica.queue_delay_s
+        + hit.queue_delay_s
+        + co.fetch(cls_index, (end - hbm) * bs)
+        + co.prefill(prompt, end * bs)
+    )
+    plan = FetchPlan(hit.shard_id, hit.node_id, hit.tier, hbm, end)
+    return Candidate(Action.FETCH, replica.replica_id, t, end * bs, plan)

@@ -1,0 +1,78 @@
+"""Typed, versioned messages between the ingress (``router.ingress``) and the replicas (``deployments.replica``).
+
+The ingress tokenizes once and sends token ids with the routing decision; the replica streams ``GenerateChunk``s
+back through a Serve handle. ``DecisionRequestRouter`` (``deployments.request_router``) reads
+``GenerateRequest.target_replica`` to honour the decision. Sampling parameters travel as a typed struct of the
+OpenAI fields we support and are turned into vLLM's ``SamplingParams`` on the replica (the ingress does not need
+vLLM's engine types at all).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI sampling fields, already validated by the ingress."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None  # top-k logprobs per generated token
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):
+    """Blocks [start_block, end_block) of the prompt's keys to pull from a pool shard's tier."""
+
+    shard_id: str
+    node_id: str
+    tier: str
+    start_block: int
+    end_block: int
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = WIRE_VERSION
+    request_id: str
+    prompt_token_ids: list[int]
+    block_keys: list[bytes] = []  # chained keys of the prompt's full blocks (kvpool.keys), computed by the ingress
+    sampling: Sampling
+    target_replica: str | None = None  # Serve replica unique id chosen by the policy
+    action: str = "recompute"
+    fetch_plan: FetchPlanMsg | None = None
+    stream: bool = True
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A delta for one choice (``index``); the last chunk of a choice has ``finish_reason`` set."""
+
+    version: int = WIRE_VERSION
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[list[TokenLogprob]] | None = None  # per token: the sampled token first, then the top-k
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prefix tokens the engine did not compute (HBM hit or loaded from the pool)
+    replica_id: str = ""
+    error: str | None = None
+
+
+def check_version(version: int, what: str) -> None:
+    if version != WIRE_VERSION:
+        raise ValueError(f"{what}: wire version {version}, this build speaks {WIRE_VERSION}")
