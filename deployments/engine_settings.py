@@ -43,11 +43,11 @@ class EngineSettings(BaseModel):
         """KV blocks the engine can hold (for the router's HBM prefix estimate)."""
         if self.kv_cache_memory_bytes is None:
             return 1 << 20
-        per_token = self.kv_bytes_per_token or _kv_bytes_per_token_from_model(self.model_path)
+        per_token = self.kv_bytes_per_token or kv_bytes_per_token_from_model(self.model_path)
         return max(1, self.kv_cache_memory_bytes // (per_token * self.block_size))
 
 
-def _kv_bytes_per_token_from_model(model_path: str) -> int:
+def kv_bytes_per_token_from_model(model_path: str) -> int:
     """2 (K,V) x kv heads x head dim x full-attention layers x dtype bytes, from the HF config.json."""
     import json
     from pathlib import Path

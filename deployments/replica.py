@@ -120,7 +120,7 @@ class VLLMReplica:
     """Serve deployment body (``serve.deployment`` is applied by ``deployments.app``)."""
 
     def __init__(self, engine: dict[str, Any] | EngineSettings, hub_name: str | None = DEFAULT_HUB_NAME,
-                 hub_namespace: str | None = None, stats_interval_s: float = 0.5) -> None:
+                 hub_namespace: str | None = "kvstack", stats_interval_s: float = 0.5) -> None:
         import ray
         from ray import serve
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -46,6 +46,7 @@ class OpenAIIngress:
         self.replicas = replicas
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
         self.view = LiveView.from_settings(self.settings)
+        self.view.replica_handle = replicas
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -129,6 +130,24 @@ class OpenAIIngress:
     @app.get("/kvstack/decisions")
     async def decisions(self, limit: int = 50) -> Response:
         return JSONResponse(self.view.recent_decisions(limit))
+
+    @app.get("/kvstack/status")
+    async def status(self, decisions: int = 10) -> Response:
+        """Nodes, replicas (as this router sees them), pool shards and recent decisions (``kvstack status``)."""
+        import ray
+
+        nodes = await asyncio.to_thread(ray.nodes)
+        shards = await self.view.shard_stats()
+        return JSONResponse({
+            "nodes": [{"ip": n["NodeManagerAddress"], "node_id": n["NodeID"], "alive": n["Alive"],
+                       "cpus": n.get("Resources", {}).get("CPU", 0.0)} for n in nodes if n["Alive"]],
+            "replicas": self.view.replica_rows(),
+            "shards": shards,
+            "decisions": [{"request_id": d["request_id"], "action": d["action"], "replica_id": d["replica_id"],
+                           "actual_ttft_s": d.get("actual_ttft_s"),
+                           "predicted": self.view.predicted_by_action(d)}
+                          for d in self.view.recent_decisions(decisions)],
+        })
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:

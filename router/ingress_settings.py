@@ -25,7 +25,7 @@ class IngressSettings(BaseModel):
     mfu: float = Field(default=0.4, gt=0, le=1, description="initial MFU; calibration replaces it")
     bw_util: float = Field(default=0.7, gt=0, le=1)
     hub_name: str = DEFAULT_HUB_NAME
-    hub_namespace: str | None = None
+    hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace
     shard_names: list[str] = Field(default_factory=list, description="named pool shard actors to watch")
     poll_interval_s: float = Field(default=0.1, gt=0)
     replica_ttl_s: float = Field(default=10.0, gt=0)

@@ -49,15 +49,27 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def _vllm_error(exc: Exception, fields: Any) -> ApiError:
+    """A vLLM validation error (``VLLMValidationError`` carries ``parameter``; otherwise the message's first word
+    names the field, e.g. "n must be at least 1") as a 400."""
+    message = str(exc.args[0]) if exc.args else str(exc)
+    param = getattr(exc, "parameter", None)
+    if param is None and message.split(" ", 1)[0] in fields:
+        param = message.split(" ", 1)[0]
+    return ApiError(400, message, param=param, code="invalid_parameter")
+
+
 def validate(model_cls: type, body: dict[str, Any]) -> Any:
     """Validate with a vLLM protocol model; any validation failure is a 400 naming the parameter."""
+    from vllm.exceptions import VLLMValidationError
+
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
         message, param = _validation_message(exc)
         raise ApiError(400, message, param=param, code="invalid_parameter") from None
-    except ValueError as exc:  # vLLM model validators raise ValueError directly
-        raise ApiError(400, str(exc), code="invalid_parameter") from None
+    except (VLLMValidationError, ValueError) as exc:  # vLLM's "before" model validators raise these unwrapped
+        raise _vllm_error(exc, getattr(model_cls, "model_fields", {})) from None
 
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -83,7 +95,19 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+MAX_LOGPROBS = 20  # vLLM's default ModelConfig.max_logprobs, which the replicas' engines run with
+
+
 def sampling_from(req: Any, max_tokens: int) -> Sampling:
+    """The wire ``Sampling`` of a validated request. vLLM's own request -> ``SamplingParams`` conversion runs here
+    first, so a value the engine would refuse (temperature < 0, n = 0, top_p = 0, ...) is a 400 at the ingress and
+    never a replica error."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        req.to_sampling_params(max_tokens, {})
+    except (VLLMValidationError, ValueError, TypeError) as exc:
+        raise _vllm_error(exc, type(req).model_fields) from None
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
@@ -94,6 +118,10 @@ def sampling_from(req: Any, max_tokens: int) -> Sampling:
         logprobs = int(req.logprobs)
     elif getattr(req, "logprobs", None) is True:
         logprobs = 0
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        param = "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs"
+        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=param,
+                       code="invalid_parameter")
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -111,15 +139,18 @@ def sampling_from(req: Any, max_tokens: int) -> Sampling:
 
 def resolve_max_tokens(req: Any, prompt_len: int, max_model_len: int) -> int:
     """The generation budget; a prompt that leaves no room, or asks for more than fits, is a 400."""
-    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    asked = getattr(req, "max_completion_tokens", None)
+    if asked is None:
+        asked = req.max_tokens
     room = max_model_len - prompt_len
     if room <= 0 or (asked is not None and asked > room):
+        where = "messages" if hasattr(req, "messages") else "prompt"
         raise ApiError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + (asked or 0)} tokens ({prompt_len} in the messages, {asked or 0} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            param="messages", code="context_length_exceeded",
+            f"{prompt_len + (asked or 0)} tokens ({prompt_len} in the {where}, {asked or 0} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=where, code="context_length_exceeded",
         )
     return asked if asked is not None else room
 

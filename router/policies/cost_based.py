@@ -13,7 +13,9 @@ Only the part of a pool prefix beyond the replica's own HBM prefix is fetched. P
 priced: the hits on its own node and, per storage tier, the cheapest hit on another node (all remote hits of one
 storage tier share T, so their order does not depend on the replica). Replicas without an HBM prefix and without a
 hit on their node share their hardware group's precomputed best, so they cost one addition: O(R + H log H) per
-request. The formulas are ``router.cost``'s (see ``router.policies.pricing``).
+request. SPLIT is priced on each of those fetch options and counts only when it beats that FETCH by
+``split_min_gain`` (default 10%: overlapping compute with a transfer has costs the model does not see, so a
+near-tie goes to the simpler FETCH). The formulas are ``router.cost``'s (see ``router.policies.pricing``).
 
 Ranking: the ``max_candidates`` cheapest replicas (each with its best action), plus the best candidate of every
 other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected RNG)
@@ -60,7 +62,7 @@ class _Group:
     __slots__ = ("co", "recompute", "remote", "local", "fast_cost", "fast_desc", "fast_act", "min_q", "min_q_i")
 
     def __init__(
-        self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: bool
+        self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float
     ) -> None:
         self.co = co
         self.recompute = co.prefill(prompt, 0.0)
@@ -89,7 +91,7 @@ class _Group:
             if split:
                 s = co.split(e[3], hbm_tokens=0, prefix_tokens=e[2] * bs, block_size=bs,
                              extra_latency_s=hits[e[1]][0].queue_delay_s)
-                if s is not None and s[1] + e[4] < act[_SPLIT]:
+                if s is not None and s[1] + e[4] <= split * e[0] and s[1] + e[4] < act[_SPLIT]:
                     act[_SPLIT], descs[_SPLIT] = s[1] + e[4], (_SPLIT, e[1], s[0], e[2], (e[2] - s[0]) * bs)
         best = min(range(4), key=act.__getitem__)
         self.fast_cost = act[best]
@@ -110,14 +112,18 @@ class CostBased(RoutingPolicy):
         rng: random.Random | None = None,
         max_candidates: int = 8,
         allow_split: bool = True,
+        split_min_gain: float = 0.1,
     ) -> None:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+        if not 0 <= split_min_gain < 1:
+            raise ValueError(f"split_min_gain must be in [0, 1), got {split_min_gain}")
         self._pricer = Pricer(tier_map)
         self._pricer.require_tiers(self.name)
         self._rng = rng
         self.max_candidates = max_candidates
         self.allow_split = allow_split
+        self.split_min_gain = split_min_gain
 
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
         n = len(cluster.replicas)
@@ -139,7 +145,7 @@ class CostBased(RoutingPolicy):
             s = self._rng.randrange(n)
             rs = rs[s:] + rs[:s]
 
-        split = self.allow_split
+        split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
         groups: dict[int, _Group] = {}
         costs = [0.0] * n
@@ -198,7 +204,7 @@ class CostBased(RoutingPolicy):
                 if split:
                     s = co.split(e[3], hbm_tokens=hbt, prefix_tokens=e[2] * bs, block_size=bs,
                                  extra_latency_s=hits[e[1]][0].queue_delay_s)
-                    if s is not None:
+                    if s is not None and s[1] + e[4] <= split * (t - q):
                         t = q + s[1] + e[4]
                         d = (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)
                         if t < act_cost[_SPLIT]:

@@ -1,0 +1,134 @@
+"""The simulated cluster's state: replicas (HBM prefix cache + FIFO prefill queue + decodes) and pool shards
+(DRAM + SSD per node, with an outbound link that serialises transfers).
+
+Mechanism only, no routing: ``bench.simulate`` asks it for the policy's view (``replica_state``, ``pool_hits``)
+and applies the chosen action's effects. Time is simulated seconds; nothing here reads a clock.
+
+Service model (what ``router.cost.ttft`` assumes, so predictions and outcomes differ only by what the policy
+could not see):
+- a replica prefills one request at a time, FIFO; a request's service is its fetch (layer-wise loading blocks the
+  forward pass) plus the prefill of the uncached part; TTFT = queue wait + service;
+- decode runs after prefill and does not delay later prefills (disaggregated / chunked-prefill assumption); its
+  duration is ``output_tokens × t_step`` with a memory-bound step (weights + context KV read from HBM once);
+- a shard's outbound link moves one transfer at a time (reservation order), so hot shards queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from bench.sim_cache import BlockCache, PrefixIndex
+from router.cost import Hardware
+from router.policies.base import PoolHit, ReplicaState, StorageTier
+
+
+@dataclass(slots=True)
+class SimReplica:
+    index: int
+    replica_id: str
+    node_id: str
+    hw: Hardware
+    hbm: BlockCache
+    shard_index: int  # the pool shard on this replica's node
+    free_at: float = 0.0
+    # (start, end) of prefills scheduled on this replica and not yet finished at the last query, FIFO.
+    prefills: deque[tuple[float, float]] = field(default_factory=deque)
+    decodes: list[float] = field(default_factory=list)  # heap of decode end times
+    prefill_busy_s: float = 0.0
+
+    def state(self, now: float, hbm_prefix_blocks: int) -> ReplicaState:
+        pf = self.prefills
+        while pf and pf[0][1] <= now:
+            pf.popleft()
+        dec = self.decodes
+        while dec and dec[0] <= now:
+            heapq.heappop(dec)
+        waiting = 0
+        for start, _end in reversed(pf):
+            if start <= now:
+                break
+            waiting += 1
+        running = len(pf) - waiting + len(dec)
+        queue = self.free_at - now
+        return ReplicaState(
+            replica_id=self.replica_id,
+            node_id=self.node_id,
+            running=running,
+            waiting=waiting,
+            queue_delay_s=queue if queue > 0.0 else 0.0,
+            hbm_prefix_blocks=hbm_prefix_blocks,
+            hw=self.hw,
+        )
+
+
+@dataclass(slots=True)
+class SimShard:
+    index: int
+    shard_id: str
+    node_id: str
+    dram: BlockCache
+    ssd: BlockCache
+    link_free_at: float = 0.0
+
+    def tier(self, storage: StorageTier) -> BlockCache:
+        return self.dram if storage == "dram" else self.ssd
+
+    def commit(self, blocks: list[int], tokens: list[int]) -> None:
+        """Blocks written by a finished prefill: into DRAM (evicting to SSD), or straight to SSD without DRAM."""
+        (self.dram if self.dram.enabled else self.ssd).admit(blocks, tokens)
+
+
+class SimCluster:
+    """Replicas and shards over one ``PrefixIndex``. Cache ids: replica i -> i; shard s -> R+2s (DRAM), R+2s+1 (SSD)."""
+
+    def __init__(
+        self,
+        *,
+        nodes: int,
+        replicas_per_node: int,
+        hw: Hardware,
+        hbm_tokens: float,
+        pool_dram_tokens: float,
+        pool_ssd_tokens: float,
+    ) -> None:
+        if nodes < 1 or replicas_per_node < 1:
+            raise ValueError(f"need nodes >= 1 and replicas_per_node >= 1, got {nodes}, {replicas_per_node}")
+        self.index = PrefixIndex()
+        self.replicas: list[SimReplica] = []
+        self.shards: list[SimShard] = []
+        n_rep = nodes * replicas_per_node
+        for node in range(nodes):
+            node_id = f"node-{node}"
+            for j in range(replicas_per_node):
+                i = len(self.replicas)
+                rid = f"{node_id}/replica-{j}"
+                self.replicas.append(SimReplica(i, rid, node_id, hw, BlockCache(i, hbm_tokens, self.index), node))
+        self.pool_enabled = pool_dram_tokens > 0 or pool_ssd_tokens > 0
+        if self.pool_enabled:
+            for node in range(nodes):
+                node_id = f"node-{node}"
+                ssd = BlockCache(n_rep + 2 * node + 1, pool_ssd_tokens, self.index)
+                dram = BlockCache(n_rep + 2 * node, pool_dram_tokens, self.index, spill=ssd if ssd.enabled else None)
+                self.shards.append(SimShard(node, f"{node_id}/shard", node_id, dram, ssd))
+        self.n_replicas = n_rep
+        self.replica_by_id = {r.replica_id: r for r in self.replicas}
+        self.shard_by_id = {s.shard_id: s for s in self.shards}
+
+    def prefix_blocks(self, blocks: list[int]) -> dict[int, int]:
+        """cache id -> leading blocks held, for every cache holding the first block."""
+        return self.index.prefix_blocks(blocks)
+
+    def pool_hits(self, prefix: dict[int, int], now: float) -> list[PoolHit]:
+        n_rep = self.n_replicas
+        hits: list[PoolHit] = []
+        for cache_id, blocks in prefix.items():
+            if cache_id < n_rep:
+                continue
+            s = self.shards[(cache_id - n_rep) >> 1]
+            tier: StorageTier = "ssd" if (cache_id - n_rep) & 1 else "dram"
+            q = s.link_free_at - now
+            hits.append(PoolHit(s.shard_id, s.node_id, tier, blocks, q if q > 0.0 else 0.0))
+        hits.sort(key=lambda h: (h.shard_id, h.tier))  # deterministic order (dicts follow insertion history)
+        return hits

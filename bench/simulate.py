@@ -1,0 +1,362 @@
+"""Discrete-event cluster simulator: N nodes × replicas, HBM prefix caches, a DRAM/SSD KV pool per node, and the
+real ``router.policies`` code (``make_policy`` + ``PolicyRunner``) deciding every request.
+
+Who calls what: ``bench.simulate_cli`` (``kvstack simulate``) and ``bench.compare_cli`` build a ``SimConfig`` and
+call ``simulate(records, config)`` with Mooncake-format ``TraceRecord``s (a real trace or
+``bench.agent.workload_trace``); they get a ``SimResult`` whose ``to_json()`` is the CLI output.
+
+One request, at its arrival time t (requests are processed in arrival order, ties in trace order):
+1. pool commits finished by t become visible (blocks a prefill wrote to its node's shard);
+2. its hash ids are interned into chained prefix ids (block ``i`` names the whole prefix up to ``i``);
+3. one index walk gives every cache's prefix length; the policy sees ``ReplicaState``s (running, waiting, queue
+   delay = the replica's backlog in seconds, HBM prefix) and ``PoolHit``s (shard, tier, prefix, link backlog);
+4. ``PolicyRunner.decide`` returns the action, replica and fetch plan; the simulator applies it:
+   HBM reuse is what the replica holds (the engine's own prefix cache reuses it whatever the router says);
+   FETCH moves blocks [max(start, hbm), end) over the tier ``TierMap`` names (same node or not);
+   SPLIT computes [hbm, start) while the tail [start, end) arrives;
+   service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``), FIFO per replica;
+5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
+   its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD.
+
+Hit accounting is token-weighted over a trace's hash-id blocks, the last (partial) block included, so with
+unbounded caches and one replica the hit rate equals the trace's own bound (``bench.traces.prefix_reuse_bound``).
+Policies themselves only count full blocks (``router.policies.pricing.clamp_blocks``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from bench.sim_cluster import SimCluster, SimReplica
+from bench.stats import summarize
+from bench.traces import TraceRecord
+from kvpool.keys import BlockKey
+from router.cost import GIB, Hardware, kv_bytes_per_token, t_fetch, t_prefill
+from router.policies.base import Action, ClusterSnapshot, RouteRequest
+from router.policies.pricing import TierMap
+from router.policies.runner import PolicyRunner, make_policy
+
+PoolWrite = Literal["computed", "all", "none"]
+TIER_KEYS = ("hbm", "dram_local", "dram_remote", "ssd_local", "ssd_remote")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """What to simulate. Capacities are tokens (``math.inf`` = unbounded, 0 = none); pool capacities per node."""
+
+    nodes: int
+    policy: str
+    hw: Hardware
+    tier_map: TierMap
+    replicas_per_node: int = 1
+    hbm_tokens: float = math.inf
+    pool_dram_tokens: float = 0.0
+    pool_ssd_tokens: float = 0.0
+    pool_write: PoolWrite = "computed"
+    seed: int = 0
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    anti_herding: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.replicas_per_node < 1:
+            raise ValueError(f"need nodes >= 1 and replicas_per_node >= 1, got {self.nodes}, {self.replicas_per_node}")
+        for name in ("hbm_tokens", "pool_dram_tokens", "pool_ssd_tokens"):
+            v = getattr(self, name)
+            if v < 0 or math.isnan(v):
+                raise ValueError(f"{name} must be >= 0 (math.inf for unbounded), got {v}")
+        if self.pool_write not in ("computed", "all", "none"):
+            raise ValueError(f"pool_write must be computed, all or none, got {self.pool_write!r}")
+
+    def describe(self) -> dict[str, Any]:
+        def cap(v: float) -> float | str:
+            return "inf" if math.isinf(v) else v
+
+        return {
+            "nodes": self.nodes,
+            "replicas_per_node": self.replicas_per_node,
+            "policy": self.policy,
+            "policy_options": dict(self.policy_options),
+            "model": self.hw.model.name,
+            "gpu": self.hw.gpu.name,
+            "mfu": self.hw.mfu,
+            "bw_util": self.hw.bw_util,
+            "gpus_per_replica": self.hw.gpus,
+            "hbm_tokens": cap(self.hbm_tokens),
+            "pool_dram_tokens": cap(self.pool_dram_tokens),
+            "pool_ssd_tokens": cap(self.pool_ssd_tokens),
+            "pool_write": self.pool_write,
+            "tiers": {
+                "dram_local": self.tier_map.dram_local.name,
+                "dram_remote": self.tier_map.dram_remote.name,
+                "ssd_local": self.tier_map.ssd_local.name,
+                "ssd_remote": self.tier_map.ssd_remote.name,
+            },
+            "seed": self.seed,
+            "anti_herding": self.anti_herding,
+        }
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    requests: int
+    prompt_tokens: int
+    hit_tokens: dict[str, int]
+    ttft_s: np.ndarray
+    predicted_ttft_s: np.ndarray
+    prefill_gpu_s: float
+    fetch_s: float
+    fetch_bytes: dict[str, float]
+    decisions: dict[str, int]
+    decision_latency_s: np.ndarray
+    makespan_s: float
+    wall_s: float
+    evicted_tokens: dict[str, int]
+    per_replica_requests: list[int]
+
+    @property
+    def token_hit_rate(self) -> float:
+        return sum(self.hit_tokens.values()) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        p = self.prompt_tokens or 1
+        h = self.hit_tokens
+        return {
+            "hbm": h["hbm"] / p,
+            "dram": (h["dram_local"] + h["dram_remote"]) / p,
+            "ssd": (h["ssd_local"] + h["ssd_remote"]) / p,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        ttft = summarize(self.ttft_s)
+        err = self.ttft_s - self.predicted_ttft_s
+        lat = summarize(self.decision_latency_s * 1e6)
+        loads = np.asarray(self.per_replica_requests, dtype=float)
+        return {
+            "schema": "kvstack.simulate/v1",
+            "config": self.config.describe(),
+            "policy": self.config.policy,
+            "nodes": self.config.nodes,
+            "replicas": self.config.nodes * self.config.replicas_per_node,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "token_hit_rate": self.token_hit_rate,
+            "hit_rate_by_tier": self.hit_rate_by_tier(),
+            "hit_tokens_by_tier": dict(self.hit_tokens),
+            "ttft_p50_s": ttft["p50"],
+            "ttft_p90_s": ttft["p90"],
+            "ttft_p99_s": ttft["p99"],
+            "ttft_mean_s": ttft["mean"],
+            "prefill_gpu_s": self.prefill_gpu_s,
+            "fetch_s": self.fetch_s,
+            "fetch_bytes_by_tier": dict(self.fetch_bytes),
+            "decisions": dict(self.decisions),
+            "prediction_error_s": {k: summarize(np.abs(err))[k] for k in ("p50", "p99", "mean")},
+            "decision_latency_us": {k: lat[k] for k in ("p50", "p99", "mean")},
+            "evicted_tokens": dict(self.evicted_tokens),
+            "replica_load_cv": float(loads.std() / loads.mean()) if loads.size and loads.mean() > 0 else 0.0,
+            "makespan_s": self.makespan_s,
+            "wall_s": self.wall_s,
+        }
+
+
+class _Interner:
+    """(parent prefix id, hash id) -> chained prefix id: equal ids mean equal prefixes, like block keys."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], int] = {}
+
+    def chain(self, hash_ids: Sequence[int]) -> list[int]:
+        ids = self._ids
+        out = []
+        parent = -1
+        for h in hash_ids:
+            key = (parent, h)
+            pid = ids.get(key)
+            if pid is None:
+                pid = ids[key] = len(ids)
+            out.append(pid)
+            parent = pid
+        return out
+
+
+def _decode_step_s(hw: Hardware, context_tokens: int) -> float:
+    """One memory-bound decode step: weights plus the context's KV read once from HBM at BW_util."""
+    weights = hw.model.params * hw.model.bytes_per_elem
+    kv = context_tokens * kv_bytes_per_token(hw.model) + hw.model.linear_state_bytes()
+    return (weights / hw.gpus + kv) / (hw.bw_util * hw.gpu.hbm_gbps * 1e9)
+
+
+def default_hbm_tokens(hw: Hardware, *, gpu_memory_utilization: float = 0.9) -> float:
+    """KV tokens one replica's HBM holds after the weights (vLLM's gpu_memory_utilization convention)."""
+    free = hw.gpus * hw.gpu.hbm_gib * GIB * gpu_memory_utilization - hw.model.params * hw.model.bytes_per_elem
+    return max(0.0, free / kv_bytes_per_token(hw.model))
+
+
+def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
+    """Run the trace through the simulated cluster; deterministic for a given ``config.seed``."""
+    wall0 = time.perf_counter()
+    hw = config.hw
+    tiers = config.tier_map
+    cluster = SimCluster(
+        nodes=config.nodes,
+        replicas_per_node=config.replicas_per_node,
+        hw=hw,
+        hbm_tokens=config.hbm_tokens,
+        pool_dram_tokens=config.pool_dram_tokens,
+        pool_ssd_tokens=config.pool_ssd_tokens,
+    )
+    now = 0.0
+    policy = make_policy(
+        config.policy, rng=random.Random(config.seed), tier_map=tiers, **dict(config.policy_options)
+    )
+    runner = PolicyRunner(
+        policy,
+        rng=random.Random(config.seed + 1),
+        anti_herding=config.anti_herding,
+        clock=lambda: now,
+    )
+    interner = _Interner()
+    model, gpu = hw.model, hw.gpu
+    kvb = kv_bytes_per_token(model)
+    n = len(records)
+    ttfts = np.empty(n)
+    preds = np.empty(n)
+    lat = np.empty(n)
+    hit = dict.fromkeys(TIER_KEYS, 0)
+    fetch_bytes = dict.fromkeys(TIER_KEYS[1:], 0.0)
+    decisions: Counter[str] = Counter()
+    prefill_gpu_s = fetch_s = 0.0
+    prompt_total = 0
+    makespan = 0.0
+    per_replica = [0] * cluster.n_replicas
+    commits: list[tuple[float, int, int, list[int], list[int]]] = []  # (time, seq, shard, blocks, tokens)
+    seq = 0
+    classes = {("dram", True): "dram_local", ("dram", False): "dram_remote",
+               ("ssd", True): "ssd_local", ("ssd", False): "ssd_remote"}
+    replicas = cluster.replicas
+
+    for k, rec in enumerate(records):
+        now = rec.timestamp_s
+        while commits and commits[0][0] <= now:
+            _t, _s, shard_i, done_blocks, done_tokens = heapq.heappop(commits)
+            cluster.shards[shard_i].commit(done_blocks, done_tokens)
+        blocks = interner.chain(rec.hash_ids)
+        lengths = rec.block_lengths()
+        prompt = rec.input_length
+        prompt_total += prompt
+        prefix = cluster.prefix_blocks(blocks)
+        get = prefix.get
+        states = [r.state(now, get(r.index, 0)) for r in replicas]
+        hits = cluster.pool_hits(prefix, now) if cluster.pool_enabled else []
+        request = RouteRequest(
+            request_id=f"r{rec.index}",
+            prompt_tokens=prompt,
+            block_size=rec.block_tokens,
+            block_keys=[BlockKey(b.to_bytes(16, "little")) for b in blocks],
+        )
+        d = runner.decide(request, ClusterSnapshot(states, hits))
+        rep: SimReplica = cluster.replica_by_id[d.replica_id]
+        hbm_blocks = get(rep.index, 0)
+        cum = _cumsum(lengths)
+        cached_blocks = hbm_blocks
+        head_blocks = hbm_blocks  # blocks [hbm_blocks, head_blocks) computed by a SPLIT's head
+        hit["hbm"] += cum[hbm_blocks]
+        service = 0.0
+        fetch_t = 0.0
+        start = now if rep.free_at <= now else rep.free_at
+        plan = d.fetch
+        if plan is not None and d.action in (Action.FETCH, Action.SPLIT):
+            shard = cluster.shard_by_id[plan.shard_id]
+            same = shard.node_id == rep.node_id
+            tier_key = classes[(plan.tier, same)]
+            tier = tiers.tier(plan.tier, same)
+            first = max(plan.start_block, hbm_blocks)
+            end = min(plan.end_block, len(blocks))
+            if end > first:
+                moved = cum[end] - cum[first]
+                xfer = t_fetch(model, tier, moved, bw_util=hw.bw_util)
+                link_start = start if shard.link_free_at <= start else shard.link_free_at
+                shard.link_free_at = link_start + xfer
+                fetch_t = (link_start - start) + xfer
+                fetch_s += xfer
+                fetch_bytes[tier_key] += moved * kvb
+                hit[tier_key] += moved
+                shard.tier(plan.tier).touch(blocks[first:end])
+                if d.action == Action.SPLIT and first > hbm_blocks:
+                    # head [hbm, first) computed while the tail arrives; the head's KV is not a hit
+                    head = t_prefill(model, gpu, cum[first], mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[hbm_blocks])
+                    prefill_gpu_s += head
+                    service = max(head, fetch_t)
+                    head_blocks = first
+                else:
+                    service = fetch_t
+                cached_blocks = end
+        compute = t_prefill(model, gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[cached_blocks])
+        prefill_gpu_s += compute
+        service += compute
+        end_t = start + service
+        rep.free_at = end_t
+        rep.prefills.append((start, end_t))
+        rep.prefill_busy_s += service
+        ttft = end_t - now
+        ttfts[k] = ttft
+        preds[k] = d.predicted_ttft_s
+        lat[k] = d.decision_latency_s
+        decisions[str(d.action)] += 1
+        per_replica[rep.index] += 1
+        decode_end = end_t + rec.output_length * _decode_step_s(hw, prompt + rec.output_length // 2)
+        heapq.heappush(rep.decodes, decode_end)
+        makespan = max(makespan, decode_end)
+        rep.hbm.admit(blocks, lengths)
+        if cluster.pool_enabled and config.pool_write != "none":
+            if config.pool_write == "all":
+                new_blocks, new_tokens = blocks, lengths
+            else:  # what this prefill computed: a SPLIT's head and everything after the reused prefix
+                new_blocks = blocks[hbm_blocks:head_blocks] + blocks[cached_blocks:]
+                new_tokens = lengths[hbm_blocks:head_blocks] + lengths[cached_blocks:]
+            if new_blocks:
+                heapq.heappush(commits, (end_t, seq, rep.shard_index, new_blocks, new_tokens))
+                seq += 1
+
+    evicted = {"hbm": sum(r.hbm.evicted_tokens for r in replicas)}
+    if cluster.pool_enabled:
+        evicted["dram"] = sum(s.dram.evicted_tokens for s in cluster.shards)
+        evicted["ssd"] = sum(s.ssd.evicted_tokens for s in cluster.shards)
+    return SimResult(
+        config=config,
+        requests=n,
+        prompt_tokens=prompt_total,
+        hit_tokens=hit,
+        ttft_s=ttfts,
+        predicted_ttft_s=preds,
+        prefill_gpu_s=prefill_gpu_s,
+        fetch_s=fetch_s,
+        fetch_bytes=fetch_bytes,
+        decisions=dict(decisions),
+        decision_latency_s=lat,
+        makespan_s=makespan,
+        wall_s=time.perf_counter() - wall0,
+        evicted_tokens=evicted,
+        per_replica_requests=per_replica,
+    )
+
+
+def _cumsum(lengths: Sequence[int]) -> list[int]:
+    out = [0]
+    acc = 0
+    for x in lengths:
+        acc += x
+        out.append(acc)
+    return out

@@ -1,0 +1,100 @@
+"""Typed configuration of the vLLM kvpool connector, parsed once from ``kv_connector_extra_config``.
+
+Who calls what: whoever builds an engine (the Serve replica, tests, the reuse bench) calls
+``kv_transfer_config(ConnectorConfig(...))`` to get the ``KVTransferConfig`` that registers ``KvPoolConnector``
+from outside vLLM; both connector roles call ``ConnectorConfig.from_extra`` in their constructors. Unknown keys
+are refused (a typo must not silently disable the pool). Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+CONNECTOR_NAME = "KvPoolConnector"
+CONNECTOR_MODULE = "kvpool.connector"
+EXTRA_KEY = "kvpool"  # kv_connector_extra_config = {"kvpool": <ConnectorConfig as builtins>}
+
+
+class ShardRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the connector reaches one pool shard: its id, its named Ray actor, and the node it runs on."""
+
+    shard_id: str
+    actor_name: str
+    node_id: str = ""
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything the connector needs; defaults in one place.
+
+    - ``model_id``: the block-key namespace's model id ("" = vLLM's served model name).
+    - ``shards``: every pool shard the connector may read from; ``local_shard`` (or, when empty, the shard whose
+      ``node_id`` is this process's Ray node) receives saves. ``lookup_remote``: also look up the other shards
+      (one parallel round trip); off = local shard only (a router plan can still name another shard).
+    - ``backend``: the transfer implementation (``kvpool.transfer``), must match the shards'.
+    - Deadlines in seconds: every wait is bounded. ``lease_ttl_s`` bounds how long a crashed engine can pin blocks.
+    - ``load`` / ``save``: switch either direction off (e.g. a read-only replica).
+    """
+
+    shards: list[ShardRef]
+    model_id: str = ""
+    local_shard: str = ""
+    lookup_remote: bool = True
+    ray_namespace: str = "kvstack"
+    ray_address: str = ""
+    backend: Literal["nixl", "tcp"] = "nixl"
+    endpoint_options: dict[str, str | int | float | bool] = {}
+    lookup_deadline_s: float = 2.0
+    lease_deadline_s: float = 5.0
+    lease_ttl_s: float = 120.0
+    transfer_deadline_s: float = 10.0
+    save_deadline_s: float = 10.0
+    load: bool = True
+    save: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kvpool connector: {name} must be positive, got {getattr(self, name)}")
+        ids = [s.shard_id for s in self.shards]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"kvpool connector: duplicate shard ids {ids}")
+        if self.local_shard and self.local_shard not in ids:
+            raise ValueError(f"kvpool connector: local_shard {self.local_shard!r} is not among shards {ids}")
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; a missing or malformed ``kvpool`` entry is a clear error."""
+        if not extra or EXTRA_KEY not in extra:
+            raise ValueError(
+                f"kvpool connector: kv_connector_extra_config needs a {EXTRA_KEY!r} entry "
+                "(build it with kvpool.connector_config.kv_transfer_config)"
+            )
+        unknown = set(extra) - {EXTRA_KEY}
+        if unknown:
+            raise ValueError(f"kvpool connector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        try:
+            return msgspec.convert(extra[EXTRA_KEY], ConnectorConfig)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"kvpool connector: bad configuration: {exc}") from exc
+
+    def to_extra(self) -> dict[str, Any]:
+        return {EXTRA_KEY: msgspec.to_builtins(self)}
+
+
+def kv_transfer_config(cfg: ConnectorConfig) -> Any:
+    """The ``vllm.config.KVTransferConfig`` registering the connector from outside vLLM.
+
+    ``kv_load_failure_policy="recompute"``: a block that fails to arrive is recomputed, never fails the request
+    (the connector refuses to start under the "fail" policy).
+    """
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=cfg.to_extra(),
+    )

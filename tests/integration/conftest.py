@@ -1,0 +1,99 @@
+"""Reusable fixtures for integration tests: a real local multi-node Ray cluster on this machine.
+
+``ray_cluster`` (session scope) starts a head with 0 CPUs (control plane only, so nothing lands there by accident)
+and three worker nodes added one at a time with node IPs 127.0.0.2, 127.0.0.3, 127.0.0.4 (all loopback on Linux),
+each with 1 CPU and a custom resource ``node_a`` / ``node_b`` / ``node_c``. Ray's files go to a private short
+``RAY_TMPDIR`` (``/tmp/kvs-XXXX``: Unix socket paths must stay short), auth is disabled, Serve's proxy readiness
+timeout is raised for this slow shared machine, and UCX is kept on loopback. The cluster is stopped with
+``cluster.shutdown()`` at the end of the session — never ``ray stop``, which would kill other people's clusters.
+
+Run integration tests under the machine-wide lock:
+``flock /tmp/kvstack-heavy.lock timeout 900 .venv/bin/pytest -m integration tests/integration``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+WORKER_IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+NODE_NAMES = ("a", "b", "c")
+
+CLUSTER_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_health_check_timeout_ms": "30000",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TLS": "tcp,self,sm",  # no RDMA hardware here; shared memory and TCP over loopback
+}
+
+
+@dataclass
+class NodeInfo:
+    name: str  # "a" | "b" | "c"
+    ip: str
+    node_id: str
+
+    @property
+    def resource(self) -> str:
+        return f"node_{self.name}"
+
+
+@dataclass
+class RayCluster:
+    cluster: Any  # ray.cluster_utils.Cluster
+    tmpdir: str
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+
+    def by_ip(self, ip: str) -> NodeInfo:
+        return next(n for n in self.nodes.values() if n.ip == ip)
+
+    def affinity(self, name: str) -> Any:
+        """Hard node-affinity scheduling strategy for the named worker node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=self.nodes[name].node_id, soft=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    tmpdir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in (*CLUSTER_ENV, "RAY_TMPDIR")}
+    os.environ.update(CLUSTER_ENV)
+    os.environ["RAY_TMPDIR"] = tmpdir
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024 * 1024},
+    )
+    info = RayCluster(cluster, tmpdir)
+    try:
+        for name, ip in zip(NODE_NAMES, WORKER_IPS, strict=True):
+            node = cluster.add_node(
+                num_cpus=1,
+                node_ip_address=ip,
+                resources={f"node_{name}": 1},
+                object_store_memory=80 * 1024 * 1024,
+                wait=True,
+            )
+            info.nodes[name] = NodeInfo(name, ip, node.node_id)
+        ray.init(address=cluster.address, logging_level="warning")
+        yield info
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(tmpdir, ignore_errors=True)

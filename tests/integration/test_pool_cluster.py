@@ -1,0 +1,364 @@
+"""The KV pool on a real 3-node Ray cluster: shard actors pinned per node, blocks moved with a real transfer backend.
+
+Node a writes into its shard over the transfer endpoint and commits; an actor on node b leases and pulls the
+blocks into its own buffer; bytes must be identical. Also: lease/evict interplay, DRAM→SSD demotion and read-back,
+a corrupted SSD slab is a miss with the checksum-failure metric (never data), the directory follows the shards
+through their event streams, and a shard killed mid-transfer is reported as failed blocks within the deadline.
+
+Run: ``flock /tmp/kvstack-heavy.lock timeout 900 .venv/bin/pytest -m integration tests/integration/test_pool_cluster.py``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import ray
+
+from kvpool.checksum import block_checksum
+from kvpool.directory import Directory, DirectorySync
+from kvpool.keys import Namespace, block_keys
+from kvpool.shard import (
+    ShardClient,
+    ShardConfig,
+    ShardHandle,
+    ShardUnavailableError,
+    start_shards,
+    stop_shards,
+)
+from kvpool.store import StoreConfig
+from tests.integration.conftest import RayCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+SLOT = 64 * 1024
+DRAM_SLOTS = 8
+SSD_SLOTS = 8
+FP = "ab" * 16
+DEADLINE_S = 5.0
+
+
+@ray.remote(num_cpus=0)
+class BufferActor:
+    """A client process owning a buffer registered with its own transfer endpoint (stands in for a vLLM worker)."""
+
+    def __init__(self, backend: str, name: str, nbytes: int) -> None:
+        from kvpool.transfer import make_endpoint
+
+        self.mm = mmap.mmap(-1, nbytes)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.ep = make_endpoint(backend, name)
+        self.region = self.ep.register(memoryview(self.mm))
+
+    def region_id(self) -> int:
+        return self.region
+
+    def add_peer(self, raw_meta: bytes) -> None:
+        from kvpool.transfer import decode_metadata
+
+        self.ep.add_peer(decode_metadata(raw_meta))
+
+    def fill(self, offset: int, data: bytes) -> None:
+        self.arr[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def get(self, offset: int, n: int) -> bytes:
+        return self.arr[offset : offset + n].tobytes()
+
+    def _ops(self, ops: list[tuple[int, int, int, int, int]]) -> list[Any]:
+        from kvpool.transfer import BlockOp
+
+        return [BlockOp(*op) for op in ops]
+
+    def read(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float) -> bytes:
+        return msgspec.msgpack.encode(self.ep.read(peer, self._ops(ops), deadline_s))
+
+    def write(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float) -> bytes:
+        return msgspec.msgpack.encode(self.ep.write(peer, self._ops(ops), deadline_s))
+
+    def read_until_failure(
+        self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float, max_s: float
+    ) -> tuple[int, bytes, float]:
+        """Read repeatedly until a read reports failed blocks (or ``max_s`` passes): (iterations, last result,
+        wall seconds of the last read)."""
+        block_ops = self._ops(ops)
+        stop_at = time.monotonic() + max_s
+        n = 0
+        while True:
+            t0 = time.monotonic()
+            res = self.ep.read(peer, block_ops, deadline_s)
+            took = time.monotonic() - t0
+            n += 1
+            if res.failed or time.monotonic() > stop_at:
+                return n, msgspec.msgpack.encode(res), took
+
+    def close(self) -> None:
+        self.ep.close()
+
+
+def decode_result(raw: bytes) -> Any:
+    from kvpool.transfer import TransferResult
+
+    return msgspec.msgpack.decode(raw, type=TransferResult)
+
+
+def payload(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+
+
+def keys_for(n: int, salt: str) -> list[bytes]:
+    return block_keys(Namespace("pool-it", FP, salt), list(range(n * 8)), 8)
+
+
+class Pool:
+    def __init__(self, cluster: RayCluster, backend: str, shards: list[ShardHandle]) -> None:
+        self.cluster = cluster
+        self.backend = backend
+        self.by_node = {cluster.by_ip(h.node_ip).name: h for h in shards}
+        self.actors: list[Any] = []
+
+    def client(self, node: str) -> ShardClient:
+        return self.by_node[node].client(deadline_s=DEADLINE_S * 4)
+
+    def buffer_actor(self, node: str, name: str, nbytes: int) -> Any:
+        actor = BufferActor.options(scheduling_strategy=self.cluster.affinity(node)).remote(
+            self.backend, name, nbytes
+        )
+        self.actors.append(actor)
+        return actor
+
+
+@pytest.fixture(scope="module", params=["nixl"])
+def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+         ) -> Iterator[Pool]:
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"pool-{backend}")
+
+    def config(node_id: str, node_ip: str) -> ShardConfig:
+        name = ray_cluster.by_ip(node_ip).name
+        store = StoreConfig(slot_bytes=SLOT, dram_slots=DRAM_SLOTS, ssd_dir=os.fspath(root / name),
+                            ssd_slots=SSD_SLOTS, reservation_ttl_s=60.0)
+        return ShardConfig(shard_id=f"{backend}-{name}", store=store, backend=backend, sweep_interval_s=0.2)
+
+    shards = start_shards(config, ready_deadline_s=120.0)
+    p = Pool(ray_cluster, backend, shards)
+    yield p
+    for a in p.actors:
+        try:
+            ray.get(a.close.remote(), timeout=10)
+        except Exception:
+            pass
+        ray.kill(a)
+    stop_shards(shards)
+
+
+@pytest.fixture(scope="module")
+def writer(pool: Pool) -> Any:
+    """An actor on node a that writes blocks into node a's shard."""
+    w = pool.buffer_actor("a", f"writer-{pool.backend}", DRAM_SLOTS * SLOT)
+    ray.get(w.add_peer.remote(pool.client("a").transfer_metadata()), timeout=60)
+    return w
+
+
+@pytest.fixture(scope="module")
+def reader(pool: Pool) -> Any:
+    """An actor on node b that pulls blocks from any shard into its own buffer."""
+    r = pool.buffer_actor("b", f"reader-{pool.backend}", DRAM_SLOTS * SLOT)
+    for node in ("a", "c"):
+        ray.get(r.add_peer.remote(pool.client(node).transfer_metadata()), timeout=60)
+    return r
+
+
+def write_blocks(pool: Pool, writer: Any, keys: list[bytes], seeds: list[int]) -> Any:
+    """reserve on node a's shard → transfer write from the writer's buffer → commit with checksums."""
+    client = pool.client("a")
+    rep = client.reserve(len(keys))
+    offsets = rep.reservation.offsets
+    assert len(offsets) == len(keys), f"reserve gave {len(offsets)} of {len(keys)} slots"
+    ray.get(writer.fill.remote(0, b"".join(payload(s) for s in seeds)), timeout=60)
+    region = ray.get(writer.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, off, region, i * SLOT, SLOT) for i, off in enumerate(offsets)]
+    res = decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+    assert res.all_ok, res
+    return client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(s)) for s in seeds], FP)
+
+
+def fetch(pool: Pool, reader: Any, node: str, keys: list[bytes], ttl_s: float = 30.0) -> tuple[Any, list[bytes]]:
+    """lease on the node's shard → transfer read into the reader's buffer → the bytes, in key order."""
+    rep = pool.client(node).lease(keys, FP, ttl_s)
+    region = ray.get(reader.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, b.offset, region, i * SLOT, b.length) for i, b in enumerate(rep.lease.blocks)]
+    if ops:
+        res = decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+        assert res.all_ok, res
+    data = [ray.get(reader.get.remote(i * SLOT, SLOT), timeout=30) for i in range(len(ops))]
+    for b, d in zip(rep.lease.blocks, data, strict=True):
+        assert block_checksum(d) == b.checksum  # the client-side check the connector does
+    return rep, data
+
+
+def test_shards_are_pinned_one_per_worker_node(pool: Pool, ray_cluster: RayCluster) -> None:
+    assert sorted(pool.by_node) == ["a", "b", "c"]
+    for name, handle in pool.by_node.items():
+        info = handle.client().info()
+        assert info.node_id == ray_cluster.nodes[name].node_id
+        assert info.node_ip == ray_cluster.nodes[name].ip
+        assert info.backend == pool.backend and info.region_id >= 0
+
+
+def test_write_on_a_fetch_on_b_bytes_identical(pool: Pool, writer: Any, reader: Any) -> None:
+    keys = keys_for(4, "identical")
+    out = write_blocks(pool, writer, keys, [1, 2, 3, 4])
+    assert out.committed == [0, 1, 2, 3] and not out.rejected
+    assert pool.client("a").lookup(keys, FP).result.prefix == 4
+    assert pool.client("b").lookup(keys, FP).result.prefix == 0  # other shards hold nothing
+    rep, data = fetch(pool, reader, "a", keys)
+    assert data == [payload(s) for s in (1, 2, 3, 4)]
+    assert pool.client("a").release(rep.lease.lease_id)
+
+
+def test_commit_with_a_wrong_checksum_is_not_visible(pool: Pool, writer: Any) -> None:
+    keys = keys_for(2, "badsum")
+    client = pool.client("a")
+    rep = client.reserve(2)
+    ray.get(writer.fill.remote(0, payload(7) + payload(8)), timeout=60)
+    region = ray.get(writer.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, off, region, i * SLOT, SLOT) for i, off in enumerate(rep.reservation.offsets)]
+    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
+    out = client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(7)), 12345], FP)
+    assert out.committed == [0] and out.rejected == [1]
+    assert client.lookup(keys, FP).result.prefix == 1
+
+
+def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> None:
+    client = pool.client("a")
+    leased = keys_for(3, "leased")
+    write_blocks(pool, writer, leased, [10, 11, 12])
+    rep = client.lease(leased, FP, 60.0)
+    assert len(rep.lease.blocks) == 3
+    before = client.stats().counters
+    # Push 4 x 5 blocks through a shard of 8 DRAM + 8 SSD slots: unleased blocks are demoted, then evicted.
+    for round_ in range(4):
+        fill = keys_for(5, f"fill-{round_}")
+        out = write_blocks(pool, writer, fill, list(range(100 + 5 * round_, 105 + 5 * round_)))
+        assert len(out.committed) == 5
+        assert client.lookup(leased, FP).result.dram == 3
+    after = client.stats().counters
+    assert after["demotions"] > before["demotions"] and after["evictions_ssd"] > before["evictions_ssd"]
+    region = ray.get(reader.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, b.offset, region, i * SLOT, b.length) for i, b in enumerate(rep.lease.blocks)]
+    assert decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
+    got = [ray.get(reader.get.remote(i * SLOT, SLOT), timeout=30) for i in range(3)]
+    assert got == [payload(s) for s in (10, 11, 12)]
+    assert client.release(rep.lease.lease_id)
+
+
+def test_lease_expires_on_the_shard_sweeper(pool: Pool, writer: Any) -> None:
+    client = pool.client("a")
+    keys = keys_for(1, "expiring")
+    write_blocks(pool, writer, keys, [40])
+    rep = client.lease(keys, FP, 0.5)
+    assert len(rep.lease.blocks) == 1
+    deadline = time.monotonic() + 10.0
+    while client.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.stats().leases == 0  # swept by the background thread, no request needed
+    assert not client.release(rep.lease.lease_id)
+
+
+def test_demotion_to_ssd_and_read_back(pool: Pool, writer: Any, reader: Any) -> None:
+    client = pool.client("a")
+    first = keys_for(4, "demoted")
+    write_blocks(pool, writer, first, [20, 21, 22, 23])
+    write_blocks(pool, writer, keys_for(8, "pressure"), list(range(200, 208)))  # DRAM full → demote `first`
+    res = client.lookup(first, FP).result
+    assert (res.prefix, res.ssd) == (4, 4)
+    rep, data = fetch(pool, reader, "a", first)
+    assert [b.from_tier.value for b in rep.lease.blocks] == ["ssd"] * 4
+    assert data == [payload(s) for s in (20, 21, 22, 23)]
+    assert client.lookup(first, FP).result.dram == 4  # promoted on lease
+    client.release(rep.lease.lease_id)
+
+
+def test_corrupted_ssd_block_is_a_miss_with_metric(pool: Pool, writer: Any, reader: Any) -> None:
+    client = pool.client("a")
+    keys = keys_for(3, "corrupt")
+    write_blocks(pool, writer, keys, [30, 31, 32])
+    assert client.demote(keys) == 3
+    info = client.entry_info(keys[1])
+    assert info is not None and info.tier.value == "ssd" and info.path
+    with open(info.path, "r+b") as f:  # same machine: the "node's" SSD directory is a local path
+        f.seek(info.offset + 100)
+        byte = f.read(1)
+        f.seek(info.offset + 100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+    def failures() -> float:
+        total = 0.0
+        for line in client.metrics_text().splitlines():
+            if line.startswith("kvstack_pool_checksum_failures_total{") and 'tier="ssd"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    before = failures()
+    rep, data = fetch(pool, reader, "a", keys)
+    assert [b.key for b in rep.lease.blocks] == keys[:1]  # served up to the bad block, never its bytes
+    assert data == [payload(30)]
+    assert failures() == before + 1
+    assert client.lookup(keys, FP).result.prefix == 1
+    client.release(rep.lease.lease_id)
+
+
+def test_directory_follows_the_shards(pool: Pool, writer: Any) -> None:
+    d = Directory()
+    sync = DirectorySync(d, deadline_s=DEADLINE_S * 4)
+    sync.set_sources([h.event_source() for h in pool.by_node.values()])
+    rep = asyncio.run(sync.poll_once())
+    assert not rep.failed and sorted(rep.resynced) == sorted(h.shard_id for h in pool.by_node.values())
+    keys = keys_for(2, "directory")
+    write_blocks(pool, writer, keys, [50, 51])
+    rep = asyncio.run(sync.poll_once())
+    assert not rep.failed and rep.applied[pool.by_node["a"].shard_id] >= 2
+    holdings = d.prefix(keys)
+    assert [(h.shard_id, h.prefix) for h in holdings] == [(pool.by_node["a"].shard_id, 2)]
+
+
+def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
+    ray_cluster: RayCluster, pool: Pool, reader: Any, tmp_path: Path
+) -> None:
+    # A dedicated shard on node c (the module's shards stay up), 32 x 1 MiB blocks to make the reads long.
+    big = 1 << 20
+
+    def config(node_id: str, node_ip: str) -> ShardConfig:
+        store = StoreConfig(slot_bytes=big, dram_slots=32, reservation_ttl_s=60.0)
+        return ShardConfig(shard_id=f"{pool.backend}-victim", store=store, backend=pool.backend)
+
+    victim = start_shards(config, include=lambda n: n["NodeManagerAddress"] == ray_cluster.nodes["c"].ip,
+                          ready_deadline_s=120.0)[0]
+    client = victim.client(deadline_s=DEADLINE_S * 4)
+    reader_big = pool.buffer_actor("b", f"reader-big-{pool.backend}", 32 * big)
+    ray.get(reader_big.add_peer.remote(client.transfer_metadata()), timeout=60)
+    rep = client.reserve(32)  # reserved slots are readable memory; enough for a transfer in flight
+    region = ray.get(reader_big.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, off, region, i * big, big) for i, off in enumerate(rep.reservation.offsets)]
+    warm = decode_result(ray.get(reader_big.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+    assert warm.all_ok, warm
+
+    ref = reader_big.read_until_failure.remote(rep.agent_name, ops, DEADLINE_S, 60.0)
+    time.sleep(1.0)  # reads are running
+    ray.kill(victim.actor, no_restart=True)
+    t0 = time.monotonic()
+    n, raw, took = ray.get(ref, timeout=DEADLINE_S + 60.0)
+    res = decode_result(raw)
+    assert res.failed, f"no failure reported after {n} reads"
+    assert took <= DEADLINE_S + 2.0, f"the failing read took {took:.1f}s, deadline {DEADLINE_S}s"
+    assert time.monotonic() - t0 <= DEADLINE_S + 30.0
+    with pytest.raises(ShardUnavailableError):
+        client.lookup(keys_for(1, "dead"), FP)
