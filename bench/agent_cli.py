@@ -28,7 +28,7 @@ from bench.live import (
     run_with_metrics,
     write_outputs,
 )
-from bench.loadgen import Budget, Progress
+from bench.loadgen import Budget, Progress, RequestRecord
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -82,8 +82,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_output_args(parser)
 
 
-async def run_agent_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole live run; returns the result dict (also used by ``bench compare``)."""
+async def run_agent_bench(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """The whole live run; returns the result dict and the measured requests (also used by ``bench compare``)."""
     workload = workload_from_args(args)
     client = make_client(args)
     try:
@@ -99,7 +99,7 @@ async def run_agent_bench(args: argparse.Namespace) -> dict[str, Any]:
         label = args.label or args.endpoint
         with Progress(enabled=not args.no_progress, total=args.max_requests, description=f"agent {label}") as bar:
 
-            async def body() -> tuple[list, dict[str, Any]]:
+            async def body() -> tuple[list[RequestRecord], dict[str, Any]]:
                 records, sessions = await run_sessions(client, workload, opts, budget, progress=bar, clock=time.monotonic)
                 return records, {"sessions": sessions}
 
@@ -114,13 +114,15 @@ async def run_agent_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     result = build_result("agent", label, args.endpoint, model, config, run, save_requests=args.save_requests)
     write_outputs(result, run.records, args.out, print_json=args.json)
-    return result
+    return result, run.records
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = asyncio.run(run_agent_bench(args))
+        result, _records = asyncio.run(run_agent_bench(args))
     except ValueError as exc:
-        print(f"kvstack bench agent: {exc}")
+        import sys
+
+        print(f"kvstack bench agent: {exc}", file=sys.stderr)
         return 2
     return 0 if result["requests"]["ok"] > 0 else 1

@@ -40,7 +40,7 @@ def ttft_cdf(series: Mapping[str, Sequence[float]], path: Path, *, title: str = 
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    if series:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -65,7 +65,7 @@ def ttft_by_turn(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) 
     ax.set_ylabel("TTFT p50 (band to p90), s")
     ax.set_title("TTFT by turn")
     ax.grid(True, alpha=0.3)
-    if series:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -90,7 +90,7 @@ def grouped_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
-    if keys:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

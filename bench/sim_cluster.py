@@ -38,7 +38,11 @@ class SimReplica:
     decodes: list[float] = field(default_factory=list)  # heap of decode end times
     prefill_busy_s: float = 0.0
 
+    _last: ReplicaState | None = None
+
     def state(self, now: float, hbm_prefix_blocks: int) -> ReplicaState:
+        """The replica as the router sees it at ``now``; the previous object is reused when nothing changed (most
+        replicas of a large simulated cluster are idle, and building a frozen dataclass dominates otherwise)."""
         pf = self.prefills
         while pf and pf[0][1] <= now:
             pf.popleft()
@@ -46,21 +50,33 @@ class SimReplica:
         while dec and dec[0] <= now:
             heapq.heappop(dec)
         waiting = 0
-        for start, _end in reversed(pf):
-            if start <= now:
-                break
-            waiting += 1
+        queue = 0.0
+        if pf:
+            for start, _end in reversed(pf):
+                if start <= now:
+                    break
+                waiting += 1
+            queue = self.free_at - now
         running = len(pf) - waiting + len(dec)
-        queue = self.free_at - now
-        return ReplicaState(
+        last = self._last
+        if (
+            last is not None
+            and last.running == running
+            and last.waiting == waiting
+            and last.queue_delay_s == queue
+            and last.hbm_prefix_blocks == hbm_prefix_blocks
+        ):
+            return last
+        self._last = last = ReplicaState(
             replica_id=self.replica_id,
             node_id=self.node_id,
             running=running,
             waiting=waiting,
-            queue_delay_s=queue if queue > 0.0 else 0.0,
+            queue_delay_s=queue,
             hbm_prefix_blocks=hbm_prefix_blocks,
             hw=self.hw,
         )
+        return last
 
 
 @dataclass(slots=True)

@@ -54,9 +54,9 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def add_workload_source_args(p: argparse.ArgumentParser) -> None:
+def add_workload_source_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     g = p.add_argument_group("workload")
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_mutually_exclusive_group(required=required)
     src.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace")
     src.add_argument("--agent-sessions", type=int, help="simulate this many sessions of the agent workload instead")
     g.add_argument("--max-requests", type=int, default=None, help="only the first N requests of the trace")
@@ -106,6 +106,8 @@ def load_workload(args: argparse.Namespace) -> tuple[list[TraceRecord], str]:
     if args.trace is not None:
         records = load_trace(args.trace, max_requests=args.max_requests)
         source = str(args.trace)
+    elif args.agent_sessions is None:
+        raise ValueError("give a workload: --trace FILE or --agent-sessions N")
     else:
         from bench.agent import plan_sessions, workload_trace
         from bench.agent_cli import workload_from_args
@@ -143,6 +145,11 @@ def sim_setup(args: argparse.Namespace) -> SimSetup:
 
 
 def run_policy(setup: SimSetup, args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """One policy on the setup's workload: the result JSON (``run_policy_full`` also returns the TTFT samples)."""
+    return run_policy_full(setup, args, policy)[0]
+
+
+def run_policy_full(setup: SimSetup, args: argparse.Namespace, policy: str) -> tuple[dict[str, Any], list[float]]:
     from bench.simulate import SimConfig, simulate
 
     config = SimConfig(
@@ -159,10 +166,11 @@ def run_policy(setup: SimSetup, args: argparse.Namespace, policy: str) -> dict[s
         policy_options=dict(args.policy_option),
         anti_herding=args.anti_herding,
     )
-    out = simulate(setup.records, config).to_json()
+    result = simulate(setup.records, config)
+    out = result.to_json()
     out["workload"] = setup.source
     out["workload_reuse_bound"] = prefix_reuse_bound(setup.records)
-    return out
+    return out, result.ttft_s.tolist()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,7 +61,11 @@ def load_serve_config(path: Path, overrides: dict[str, Any] | None = None) -> Se
         node = raw
         *parents, leaf = dotted.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                raise ConfigError(f"{path}: override {dotted}: {p} is not a mapping")
+            node = node[p]
         node[leaf] = value
     cfg = parse_model(ServeFileConfig, raw, path)
     model_path = Path(cfg.app.engine.model_path)

@@ -33,34 +33,43 @@ log = logging.getLogger("kvstack.replica")
 
 
 class HbmPrefixLedger:
-    """Bounded LRU of block keys the replica computed; produces stored/removed deltas for the hub."""
+    """Bounded LRU of block keys the replica computed; produces stored/removed deltas for the hub.
+
+    The deltas are netted: a key is in at most one of ``stored`` / ``removed`` of a drain, by its last change, so
+    the order in which the hub applies them does not matter. A prompt's keys are touched tail first, so its head
+    block is the most recent and a chain is evicted from its tail (as vLLM frees a finished request's blocks).
+    """
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.capacity = capacity_blocks
         self._keys: OrderedDict[bytes, None] = OrderedDict()
-        self._stored: list[bytes] = []
-        self._removed: list[bytes] = []
+        self._stored: dict[bytes, None] = {}
+        self._removed: dict[bytes, None] = {}
 
     def touch(self, keys: list[bytes]) -> None:
-        for key in keys:
+        for key in reversed(keys):
             if key in self._keys:
                 self._keys.move_to_end(key)
                 continue
             self._keys[key] = None
-            self._stored.append(key)
+            self._removed.pop(key, None)
+            self._stored[key] = None
         while len(self._keys) > self.capacity:
             old, _ = self._keys.popitem(last=False)
-            self._removed.append(old)
+            self._stored.pop(old, None)
+            self._removed[old] = None
 
     def clear(self) -> None:
-        self._removed.extend(self._keys)
+        for key in self._keys:
+            self._stored.pop(key, None)
+            self._removed[key] = None
         self._keys.clear()
 
     def drain(self) -> tuple[list[bytes], list[bytes]]:
-        stored, removed = self._stored, self._removed
-        self._stored, self._removed = [], []
+        stored, removed = list(self._stored), list(self._removed)
+        self._stored, self._removed = {}, {}
         return stored, removed
 
     def snapshot(self) -> list[bytes]:
@@ -166,7 +175,8 @@ class VLLMReplica:
                         index=comp.index,
                         text=comp.text,
                         token_ids=list(comp.token_ids),
-                        logprobs=self._logprobs(comp) if request.sampling.logprobs is not None else None,
+                        logprobs=(self._logprobs(comp, request.sampling.logprobs)
+                                  if request.sampling.logprobs is not None else None),
                         finish_reason=comp.finish_reason,
                         prompt_tokens=prompt_tokens,
                         cached_tokens=cached,
@@ -183,12 +193,14 @@ class VLLMReplica:
             self.ledger.touch(list(request.block_keys))
 
     @staticmethod
-    def _logprobs(comp: Any) -> list[list[TokenLogprob]]:
+    def _logprobs(comp: Any, top_k: int) -> list[list[TokenLogprob]]:
+        """Per token: the sampled token, then the ``top_k`` most likely (the sampled one included when it is among
+        them; vLLM's entry holds the top-k plus the sampled token)."""
         out: list[list[TokenLogprob]] = []
         for token_id, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_k]
             row = [TokenLogprob(token_id, entry[token_id].decoded_token or "", entry[token_id].logprob)]
-            row += [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked if tid != token_id]
+            row += [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked]
             out.append(row)
         return out
 

@@ -52,7 +52,9 @@ def _families(registry: CollectorRegistry) -> _Families:
         blocks=Gauge(PREFIX + "blocks", "Visible blocks held", st, registry=registry),
         bytes=Gauge(PREFIX + "bytes", "Bytes of visible blocks held", st, registry=registry),
         capacity_blocks=Gauge(PREFIX + "capacity_blocks", "Block slots of the tier", st, registry=registry),
-        leases_active=Gauge(PREFIX + "leases_active", "Leases not yet released or expired", ["shard"], registry=registry),
+        leases_active=Gauge(
+            PREFIX + "leases_active", "Leases not yet released or expired", ["shard"], registry=registry
+        ),
         reservations_active=Gauge(
             PREFIX + "reservations_active", "Reservations not yet committed, aborted or expired", ["shard"],
             registry=registry,

@@ -446,20 +446,25 @@ def start_shards(
     max_concurrency: int = 8,
     ready_deadline_s: float = 60.0,
     actor_options: dict[str, Any] | None = None,
+    actor_name: Callable[[str], str] | None = None,
+    namespace: str | None = None,
 ) -> list[ShardHandle]:
     """Start one shard per alive node (``config_for_node(node_id, node_ip)``), each hard-pinned to its node.
 
-    Waits until every shard answered ``info`` within ``ready_deadline_s``; on failure kills what it started and
+    ``actor_name(node_id)`` names each actor (in ``namespace``) so other processes find it
+    (``kvpool.shard_registry``). Waits until every shard answered ``info`` within ``ready_deadline_s``; on failure kills what it started and
     raises ``ShardUnavailableError``.
     """
     handles: list[ShardHandle] = []
     for node in alive_nodes(include):
         node_id, node_ip = node["NodeID"], node["NodeManagerAddress"]
         cfg = config_for_node(node_id, node_ip)
+        named = {"name": actor_name(node_id), "namespace": namespace} if actor_name is not None else {}
         actor = PoolShardActor.options(
             num_cpus=0,
             max_concurrency=max_concurrency,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            **named,
             **(actor_options or {}),
         ).remote(_ENC.encode(cfg))
         handles.append(ShardHandle(cfg.shard_id, node_id, node_ip, actor))

@@ -30,8 +30,13 @@ class ShardRef:
     actor: Any
 
     async def stats_async(self, deadline_s: float = 5.0) -> dict[str, Any]:
+        """Blocks per tier and lease count, for ``kvstack status``."""
+        from kvpool.store import StoreStats
+
         raw = await asyncio.wait_for(self.actor.stats.remote(), timeout=deadline_s)
-        return msgspec.to_builtins(msgspec.msgpack.decode(raw))
+        stats = msgspec.msgpack.decode(raw, type=StoreStats)
+        return {"dram_blocks": stats.dram.blocks, "ssd_blocks": stats.ssd.blocks, "leases": stats.leases,
+                "slot_bytes": stats.slot_bytes}
 
 
 def list_shards(namespace: str = SHARD_NAMESPACE) -> list[ShardRef]:

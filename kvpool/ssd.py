@@ -8,6 +8,9 @@ warm): one slab file with ``pwrite``/``preadv`` at ``slot * slot_bytes`` writes 
 4.4 GB/s (1 MiB), reads 4.0 / 6.2 GB/s; one file per block (write tmp + rename, open + read) writes 0.13 / 0.73
 GB/s and reads 3.4 / 5.6 GB/s. The slab wins (26x on small writes: no create/rename/close per block), so it is
 kept. Reads go through the page cache (O_DIRECT reads measured 0.25 / 1.2 GB/s cold on this disk).
+NIXL's POSIX backend on the same slab (one batched request per 256 / 64 blocks, ``/tmp/nixl_posix_probe.py``)
+measured write 1.9 / 2.6 GB/s, read 2.2 / 2.5 GB/s against pwrite 1.9 / 2.1, preadv 2.2 / 2.8 in the same run:
+no gain within noise, so plain positional I/O is kept (synchronous, no second agent, no extra registration).
 
 The index lives in the store's memory; the slab is a cache, not a database: it is recreated empty when the tier
 opens, so a restarted shard never serves bytes it cannot vouch for. Space is reserved up front

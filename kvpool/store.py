@@ -41,8 +41,8 @@ import msgspec
 
 from kvpool.arena import DramArena
 from kvpool.checksum import block_checksum
-from kvpool.eviction import EvictionPolicy, LruPolicy
 from kvpool.events import EVENTS_WIRE_VERSION, EventBatch, EventKind, EventLog, ShardSnapshot, Tier
+from kvpool.eviction import EvictionPolicy, LruPolicy
 from kvpool.keys import KEY_BYTES
 from kvpool.metrics import PoolMetrics
 from kvpool.ssd import SsdSlab
@@ -81,7 +81,8 @@ class Reservation(msgspec.Struct, frozen=True):
     slots: list[int]
     offsets: list[int]
     slot_bytes: int
-    expires_at: float
+    expires_at: float  # on the shard's clock
+    ttl_s: float
 
 
 class CommitResult(msgspec.Struct, frozen=True):
@@ -114,7 +115,7 @@ class Lease(msgspec.Struct, frozen=True):
 
     lease_id: int
     blocks: list[LeasedBlock]
-    expires_at: float
+    expires_at: float  # on the shard's clock
     ttl_s: float
 
 
@@ -232,7 +233,8 @@ class BlockStore:
         if slots:
             self._reservations[rid] = _Reserved(slots, expires)
         self._publish_gauges()
-        return Reservation(rid, slots, [self.arena.offset(s) for s in slots], self.config.slot_bytes, expires)
+        offsets = [self.arena.offset(s) for s in slots]
+        return Reservation(rid, slots, offsets, self.config.slot_bytes, expires, self.config.reservation_ttl_s)
 
     def commit(
         self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str
@@ -248,7 +250,8 @@ class BlockStore:
         self.sweep(self._clock())
         res = self._reservations.pop(reservation_id, None)
         if res is None:
-            return CommitResult([], list(range(len(keys))), [], error=f"unknown or expired reservation {reservation_id}")
+            err = f"unknown or expired reservation {reservation_id}"
+            return CommitResult([], list(range(len(keys))), [], error=err)
         if len(keys) > len(res.slots):
             self._reservations[reservation_id] = res
             raise ValueError(f"commit: {len(keys)} keys for a reservation of {len(res.slots)} slots")

@@ -39,6 +39,10 @@ app = FastAPI(title="kvstack", description="OpenAI-compatible endpoint with KV-c
 class OpenAIIngress:
     def __init__(self, replicas: Any, settings: dict[str, Any] | IngressSettings) -> None:
         from transformers import AutoTokenizer
+        # vLLM's protocol models are imported per request below; importing them once here keeps the first
+        # request from paying the multi-second import.
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: F401
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
 
         from router.live_view import LiveView
 

@@ -25,11 +25,12 @@ from configs import load_gpus, load_models, load_tiers, pick
 from kvpool.keys import Namespace, chain_keys
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
-from router.hub import PollReply, get_or_create_hub
-from router.index import ClusterIndex
+from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind, ReplicaSnapshot
+from router.hub import PollReply, ReplicaReport, get_or_create_hub
+from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
-from router.policies.base import ClusterSnapshot, ReplicaState, RouteRequest
+from router.policies.base import ReplicaState, RouteRequest
 from router.policies.pricing import TierMap
 from router.policies.runner import PolicyRunner, make_policy
 from router.wire import FetchPlanMsg, GenerateChunk
@@ -39,6 +40,14 @@ log = logging.getLogger("kvstack.router")
 # Role names of the app config's tier map → TierMap.from_tiers keywords.
 _ROLE_TO_TIERMAP = {"local_dram": "dram_local", "remote_dram": "dram_remote", "local_ssd": "ssd_local",
                     "remote_ssd": "ssd_remote"}
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    node_id: str
+    running: int
+    waiting: int
+    last_seen: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +71,14 @@ class LiveView:
         self.audit = AuditLog(settings.decision_log_size)
         policy = make_policy(settings.policy, rng=rng, tier_map=tier_map)
         self.runner = PolicyRunner(policy, rng=rng, audit=self.audit, metrics=self.metrics)
-        self.index = ClusterIndex(replica_ttl_s=settings.replica_ttl_s)
+        self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
+        self.loads: dict[str, ReplicaLoad] = {}
         self.key_root = Namespace(settings.served_model_name, "kvstack-engine", settings.cache_salt).root()
         self._cursor = 0
         self._hub: Any = None
+        self._shards: dict[str, Any] = {}  # shard id -> ShardRef
+        self._shard_seq: dict[str, tuple[str, int]] = {}  # shard id -> (epoch, last applied seq)
+        self._shards_listed_at = -1e9
 
     @classmethod
     def from_settings(cls, settings: IngressSettings) -> LiveView:
@@ -76,7 +89,7 @@ class LiveView:
         tier_map = TierMap.from_tiers(tiers, **roles)
         return cls(settings, Hardware(model, gpu, mfu=settings.mfu, bw_util=settings.bw_util), tier_map)
 
-    # -- the hub stream --------------------------------------------------------------------------------------
+    # -- the hub stream and the shards' event streams -------------------------------------------------------
     async def run(self) -> None:
         while True:
             try:
@@ -89,38 +102,92 @@ class LiveView:
             except Exception as exc:  # noqa: BLE001 - hub restarting: keep the last view, retry
                 log.warning("cluster view poll failed: %s", exc)
                 self._hub = None
+            try:
+                await self._sync_shards()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("pool shard sync failed: %s", exc)
             await asyncio.sleep(self.settings.poll_interval_s)
 
     def apply(self, reply: PollReply) -> None:
-        if reply.snapshot:
-            self.index.reset_replicas()
+        """Apply hub reports in order (report seq n → event seqs 2n-1 removed, 2n stored)."""
         now = time.monotonic()
+        if reply.snapshot:
+            for rid in list(self.loads):
+                if rid not in {r.replica_id for r in reply.reports}:
+                    self._forget(rid)
         for report in reply.reports:
             if report.gone:
-                self.index.drop_replica(report.replica_id)
-                self.metrics.forget_replica(report.replica_id)
+                self._forget(report.replica_id)
                 continue
-            self.index.apply_replica_report(report, now=now)
+            self._apply_report(report)
+            self.loads[report.replica_id] = ReplicaLoad(report.node_id, report.running, report.waiting, now)
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
         self._cursor = reply.cursor
+        if any(r.source_kind == "replica" for r in self.index.take_resync_requests()):
+            self._cursor = -1  # the hub answers an impossible cursor with a full snapshot
+
+    def _apply_report(self, r: ReplicaReport) -> None:
+        if r.full:
+            self.index.apply_replica_snapshot(ReplicaSnapshot(
+                REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, r.replica_id, 2 * r.seq, list(r.stored)))
+            return
+        self.index.apply_replica_batch(ReplicaEventBatch(
+            REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, r.replica_id, 2 * r.seq - 2, 2 * r.seq,
+            [ReplicaBlockEvent(2 * r.seq - 1, ReplicaEventKind.REMOVED, list(r.removed)),
+             ReplicaBlockEvent(2 * r.seq, ReplicaEventKind.STORED, list(r.stored))]))
+
+    def _forget(self, replica_id: str) -> None:
+        self.loads.pop(replica_id, None)
+        self.index.remove_source("replica", replica_id)
+        self.metrics.forget_replica(replica_id)
+
+    async def _sync_shards(self) -> None:
+        from kvpool.events import EventBatch, ShardSnapshot
+        from kvpool.shard import EventsRequest
+        from kvpool.shard_registry import list_shards
+
+        now = time.monotonic()
+        if now - self._shards_listed_at > 5.0:
+            self._shards = {s.shard_id: s for s in await asyncio.to_thread(list_shards, self.settings.hub_namespace)}
+            self._shards_listed_at = now
+        for shard_id, ref in self._shards.items():
+            known = self._shard_seq.get(shard_id)
+            if known is not None:
+                req = msgspec.msgpack.encode(EventsRequest(known[1], 4096))
+                raw = await asyncio.wait_for(ref.actor.events_since.remote(req), timeout=5.0)
+                batch = msgspec.msgpack.decode(raw, type=EventBatch)
+                if not batch.gap and batch.epoch == known[0]:
+                    self.index.apply_shard_batch(batch, ref.node_id)
+                    self._shard_seq[shard_id] = (batch.epoch, batch.last_seq)
+                    continue
+            raw = await asyncio.wait_for(ref.actor.snapshot.remote(), timeout=5.0)
+            snap = msgspec.msgpack.decode(raw, type=ShardSnapshot)
+            self.index.apply_shard_snapshot(snap, ref.node_id)
+            self._shard_seq[shard_id] = (snap.epoch, snap.seq)
+
+    def live_replicas(self, now: float) -> dict[str, ReplicaLoad]:
+        ttl = self.settings.replica_ttl_s
+        return {rid: load for rid, load in self.loads.items() if now - load.last_seen <= ttl}
 
     def replica_count(self) -> int:
-        return len(self.index.replica_ids(now=time.monotonic()))
+        return len(self.live_replicas(time.monotonic()))
 
     # -- deciding --------------------------------------------------------------------------------------------
     def decide(self, request_id: str, token_ids: list[int]) -> tuple[Routed, list[bytes]]:
         keys = chain_keys(self.key_root, token_ids, self.settings.block_size)
         now = time.monotonic()
         replicas = [
-            ReplicaState(replica_id=r.replica_id, node_id=r.node_id, running=r.running, waiting=r.waiting,
-                         queue_delay_s=0.0, hbm_prefix_blocks=r.prefix_blocks, hw=self.hardware)
-            for r in self.index.replica_prefixes(keys, now=now)
+            ReplicaState(replica_id=rid, node_id=load.node_id, running=load.running, waiting=load.waiting,
+                         queue_delay_s=0.0, hbm_prefix_blocks=0, hw=self.hardware)
+            for rid, load in self.live_replicas(now).items()
         ]
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
             return Routed(None, None, "recompute", None, request_id), list(keys)
         request = RouteRequest(request_id, len(token_ids), self.settings.block_size, keys)
-        record = self.runner.decide(request, ClusterSnapshot(replicas, self.index.pool_hits(keys)))
+        record = self.runner.decide(request, self.index.snapshot(request, replicas))
         plan = None
         if record.fetch is not None:
             f = record.fetch
@@ -148,8 +215,9 @@ class LiveView:
 
     # -- status ----------------------------------------------------------------------------------------------
     def replica_rows(self) -> list[dict[str, Any]]:
-        return [{"replica_id": r.replica_id, "node_id": r.node_id, "running": r.running, "waiting": r.waiting,
-                 "hbm_blocks": r.prefix_blocks} for r in self.index.replica_prefixes([], now=time.monotonic())]
+        return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
+                 "hbm_blocks": self.index.held_blocks("replica", rid, "hbm")}
+                for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:
         from kvpool.shard_registry import list_shards

@@ -42,9 +42,23 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
+
+
+def _param_path(loc: Sequence[Any]) -> str | None:
+    """The request field path of a pydantic error location, without the union-member tags pydantic puts in it
+    (``messages.1.ChatCompletionDeveloperMessageParam.role`` -> ``messages.1.role``, ``stop.str`` -> ``stop``)."""
+    parts = [
+        str(p) for i, p in enumerate(loc)
+        if p != "__root__" and (i == 0 or isinstance(p, int)
+                                or (isinstance(p, str) and p.isidentifier() and p.islower() and p not in _TYPE_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__") or None
+    param = _param_path(err.get("loc", ()))
     msg = err.get("msg", "invalid request")
     return (f"{param}: {msg}" if param else msg), param
 
@@ -72,21 +86,32 @@ def validate(model_cls: type, body: dict[str, Any]) -> Any:
         raise _vllm_error(exc, getattr(model_cls, "model_fields", {})) from None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
+
+
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the tokenizer's chat template; only text content is accepted."""
+    """Messages as plain dicts for the tokenizer's chat template; only text content is accepted. Text parts are
+    joined with newlines, as vLLM does for string-content chat templates; an unknown role is a 400 (vLLM's protocol
+    model accepts any role string)."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         m = dict(msg) if not isinstance(msg, dict) else msg
+        if m.get("role") not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role: invalid value {m.get('role')!r}; supported values are "
+                                f"{', '.join(CHAT_ROLES)}", param=f"messages.{i}.role", code="invalid_parameter")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
             for part in content:
+                if isinstance(part, str):  # vLLM accepts plain strings as text parts
+                    texts.append(part)
+                    continue
                 part = dict(part)
                 if part.get("type") != "text":
                     raise ApiError(400, f"messages[{i}]: content part type {part.get('type')!r} is not supported "
                                         "(text only)", param=f"messages.{i}.content")
                 texts.append(part.get("text", ""))
-            content = "".join(texts)
+            content = "\n".join(texts)
         item = {"role": m.get("role"), "content": content if content is not None else ""}
         for extra in ("name", "tool_calls", "tool_call_id"):
             if m.get(extra) is not None:

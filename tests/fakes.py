@@ -84,3 +84,222 @@ class RouterClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+# --- deployments fakes (request router) ---
+# A stand-in for Serve's ``RunningReplica`` as ``DecisionRequestRouter`` reads it: the real ``ReplicaID`` (its
+# ``unique_id`` is what the policy targets) and the ``routing_stats`` dict the replica's ``record_routing_stats``
+# returns. The real class needs a live actor handle (a running Ray cluster). Ray Serve is imported on first use only.
+class FakeRunningReplica:
+    def __init__(self, unique_id: str, running: int = 0, waiting: int = 0,
+                 routing_stats: dict[str, object] | None = None) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, DeploymentID(name="VLLMReplica", app_name="kvstack"))
+        self.routing_stats: dict[str, object] = (
+            routing_stats if routing_stats is not None else {"running": running, "waiting": waiting}
+        )
+
+    def __repr__(self) -> str:
+        return f"FakeRunningReplica({self.replica_id.unique_id!r}, {self.routing_stats!r})"
+
+
+# --- bench fakes (OpenAI-compatible neighbour server) ---
+# A small OpenAI-compatible HTTP server on 127.0.0.1 (FastAPI + uvicorn in a thread) for the load-generator tests:
+# /v1/models, streamed /v1/chat/completions and /v1/completions (SSE, usage chunk, [DONE]), and /metrics in the
+# router's exposition format (the real ``router.metrics.RouterMetrics`` names). It is a neighbour endpoint, not
+# kvstack's: it "reuses" a prefix when an earlier prompt shared it (64-unit chunks) and reports that as an HBM hit.
+import asyncio as _b_asyncio
+import json as _b_json
+import socket as _b_socket
+import threading as _b_threading
+import time as _b_time
+from typing import Any as _BAny
+
+
+class FakeOpenAIServer:
+    """Start with ``with FakeOpenAIServer(...) as srv:``; ``srv.base_url`` is the OpenAI base URL (…/v1).
+
+    ``received`` holds every request body in arrival order with its arrival time (``_t``, monotonic seconds);
+    ``max_concurrent`` the most streams open at once; ``fail_every`` = k answers every k-th request with a 500.
+    """
+
+    CHUNK = 64
+
+    def __init__(
+        self,
+        *,
+        model: str = "fake-model",
+        token_delay_s: float = 0.002,
+        base_ttft_s: float = 0.005,
+        ttft_per_new_unit_s: float = 2e-6,
+        fail_every: int = 0,
+        metrics: bool = True,
+    ) -> None:
+        self.model = model
+        self.token_delay_s = token_delay_s
+        self.base_ttft_s = base_ttft_s
+        self.ttft_per_new_unit_s = ttft_per_new_unit_s
+        self.fail_every = fail_every
+        self.metrics_enabled = metrics
+        self.received: list[dict[str, _BAny]] = []
+        self.max_concurrent = 0
+        self._open = 0
+        self._seen: set[int] = set()
+        self._count = 0
+        self._server: _BAny = None
+        self._thread: _b_threading.Thread | None = None
+        self.port = 0
+        from router.metrics import RouterMetrics
+
+        self.router_metrics = RouterMetrics()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    # -- prompt bookkeeping: longest previously seen prefix, in chunks of CHUNK units (words or token ids)
+    def _reuse(self, units: list[_BAny]) -> int:
+        hit, parent, matching = 0, 0, True
+        for i in range(0, len(units) - len(units) % self.CHUNK, self.CHUNK):
+            parent = hash((parent, tuple(units[i : i + self.CHUNK])))
+            if matching and parent in self._seen:
+                hit += self.CHUNK
+            else:
+                matching = False
+                self._seen.add(parent)
+        return hit
+
+    @staticmethod
+    def _chat_units(body: dict[str, _BAny]) -> list[str]:
+        parts = [_b_json.dumps(body.get("tools", []), sort_keys=True)]
+        for m in body.get("messages", []):
+            content = m.get("content") or ""
+            parts.append(f"<{m.get('role')}>")
+            parts.append(content if isinstance(content, str) else _b_json.dumps(content))
+            if m.get("tool_calls"):
+                parts.append(_b_json.dumps(m["tool_calls"], sort_keys=True))
+        return " ".join(parts).split()
+
+    def _app(self) -> _BAny:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, _BAny]:
+            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]}
+
+        @app.get("/metrics")
+        async def metrics() -> _BAny:
+            if not self.metrics_enabled:
+                return PlainTextResponse("not found", status_code=404)
+            from prometheus_client import generate_latest
+
+            return PlainTextResponse(generate_latest(self.router_metrics.registry).decode())
+
+        async def handle(request: Request, chat: bool) -> _BAny:
+            body = await request.json()
+            body["_t"] = _b_time.monotonic()
+            self.received.append(body)
+            self._count += 1
+            if self.fail_every and self._count % self.fail_every == 0:
+                return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
+            if body.get("model") != self.model:
+                return JSONResponse({"error": {"message": f"unknown model {body.get('model')!r}"}}, status_code=404)
+            if chat:
+                units: list[_BAny] = self._chat_units(body)
+            else:
+                prompt = body.get("prompt")
+                units = list(prompt) if isinstance(prompt, list) else str(prompt).split()
+            hit = self._reuse(units)
+            m = self.router_metrics
+            m.decisions.labels(policy="fake", action="holder" if hit else "recompute").inc()
+            m.hit_tokens.labels(policy="fake", tier="hbm").inc(hit)
+            n_out = max(1, int(body.get("max_tokens") or 16))
+            ttft = self.base_ttft_s + self.ttft_per_new_unit_s * (len(units) - hit)
+            rid = f"fake-{self._count}"
+            if not body.get("stream"):
+                await _b_asyncio.sleep(ttft + self.token_delay_s * n_out)
+                text = " ".join(f"t{i}" for i in range(n_out))
+                choice = {"index": 0, "finish_reason": "length"}
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                usage = {"prompt_tokens": len(units), "completion_tokens": n_out, "total_tokens": len(units) + n_out}
+                obj = "chat.completion" if chat else "text_completion"
+                return {"id": rid, "object": obj, "created": 0, "model": self.model, "choices": [choice], "usage": usage}
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            async def events() -> _BAny:
+                self._open += 1
+                self.max_concurrent = max(self.max_concurrent, self._open)
+                try:
+                    obj = "chat.completion.chunk" if chat else "text_completion"
+                    if chat:
+                        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        yield "data: " + _b_json.dumps({"id": rid, "object": obj, "created": 0, "model": self.model,
+                                                        "choices": [first]}) + "\n\n"
+                    await _b_asyncio.sleep(ttft)
+                    for i in range(n_out):
+                        if i:
+                            await _b_asyncio.sleep(self.token_delay_s)
+                        piece = f"t{i} "
+                        ch = {"index": 0, "finish_reason": "length" if i == n_out - 1 else None}
+                        ch.update({"delta": {"content": piece}} if chat else {"text": piece})
+                        yield "data: " + _b_json.dumps({"id": rid, "object": obj, "created": 0, "model": self.model,
+                                                        "choices": [ch]}) + "\n\n"
+                    if include_usage:
+                        usage = {"prompt_tokens": len(units), "completion_tokens": n_out,
+                                 "total_tokens": len(units) + n_out}
+                        yield "data: " + _b_json.dumps({"id": rid, "object": obj, "created": 0, "model": self.model,
+                                                        "choices": [], "usage": usage}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    self._open -= 1
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def chat_completions(request: Request) -> _BAny:
+            return await handle(request, chat=True)
+
+        async def completions(request: Request) -> _BAny:
+            return await handle(request, chat=False)
+
+        # This module uses postponed annotations and Request is imported here, not at module level: give FastAPI
+        # the class itself, or it cannot resolve the name and treats ``request`` as a query parameter.
+        for endpoint, path in ((chat_completions, "/v1/chat/completions"), (completions, "/v1/completions")):
+            endpoint.__annotations__["request"] = Request
+            app.post(path)(endpoint)
+
+        return app
+
+    def start(self, timeout_s: float = 15.0) -> FakeOpenAIServer:
+        import uvicorn
+
+        with _b_socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = _b_threading.Thread(target=self._server.run, name="fake-openai", daemon=True)
+        self._thread.start()
+        deadline = _b_time.monotonic() + timeout_s
+        while not self._server.started:
+            if _b_time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"fake OpenAI server did not start on port {self.port} within {timeout_s}s")
+            _b_time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError("fake OpenAI server did not stop")
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
 
@@ -27,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, help="local worker nodes (overrides cluster.workers)")
     parser.add_argument("--replicas", type=int, help="vLLM replicas (overrides app.replicas.num_replicas)")
     parser.add_argument("--policy", help="routing policy (overrides app.router.policy)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key, e.g. --set app.pool.enabled=false (value parsed as YAML)")
     parser.add_argument("--state-file", type=Path, default=Path(".kvstack/serve.json"),
                         help="where to write the endpoint/pids for `kvstack status` (default: %(default)s)")
 
@@ -53,6 +57,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["app.replicas.num_replicas"] = args.replicas
     if args.policy is not None:
         out["app.router.policy"] = args.policy
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
     return out
 
 
@@ -63,13 +72,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_serve_config(args.config, _overrides(args))
-    except (ConfigError, UnknownNameError) as exc:
+    except (ConfigError, UnknownNameError, ValueError) as exc:
         print(f"kvstack serve: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stack = ServeStack(cfg, args.state_file)
+    handle_signals(stop)
+    stack = ServeStack(cfg, args.state_file, on_ray_started=lambda: handle_signals(stop))
     try:
         stack.start(stop)
         if not stop.is_set():
@@ -84,11 +92,18 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def handle_signals(stop: threading.Event) -> None:
+    """SIGINT/SIGTERM set ``stop``. Re-installed after ``ray.init``, whose core worker replaces the handlers."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
 class ServeStack:
     """What ``kvstack serve`` started, so that ``stop`` tears down exactly that."""
 
-    def __init__(self, cfg: Any, state_file: Path) -> None:
+    def __init__(self, cfg: Any, state_file: Path, on_ray_started: Any = None) -> None:
         self.cfg = cfg
+        self.on_ray_started = on_ray_started or (lambda: None)
         self.state_file = state_file
         self.progress = Progress()
         self.cluster: Any = None
@@ -115,6 +130,7 @@ class ServeStack:
             t = p.step(f"joining the Ray cluster at {cfg.cluster.address}")
             ray.init(address=cfg.cluster.address, namespace="kvstack")
             p.done("joined", t)
+        self.on_ray_started()
         if stop.is_set():
             return
         if cfg.app.pool.enabled:
@@ -148,7 +164,9 @@ class ServeStack:
         t = self.progress.step(f"deploying the app: {n} vLLM replicas + router (policy {cfg.app.router.policy})")
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         self.serve_started = True
+        self.on_ray_started()
         serve.run(build_app(cfg.app), name="kvstack", route_prefix="/")
+        self.on_ray_started()
         self.progress.done("app ready", t)
 
     def announce(self) -> None:

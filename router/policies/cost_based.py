@@ -13,9 +13,9 @@ Only the part of a pool prefix beyond the replica's own HBM prefix is fetched. P
 priced: the hits on its own node and, per storage tier, the cheapest hit on another node (all remote hits of one
 storage tier share T, so their order does not depend on the replica). Replicas without an HBM prefix and without a
 hit on their node share their hardware group's precomputed best, so they cost one addition: O(R + H log H) per
-request. SPLIT is priced on each of those fetch options and counts only when it beats that FETCH by
-``split_min_gain`` (default 10%: overlapping compute with a transfer has costs the model does not see, so a
-near-tie goes to the simpler FETCH). The formulas are ``router.cost``'s (see ``router.policies.pricing``).
+request. SPLIT is priced on each of those fetch options and counts only when it beats the replica's best plain
+action (HOLDER / FETCH / RECOMPUTE) by ``split_min_gain`` (default 15%: overlapping compute with a transfer has
+costs the model does not see and needs engine support, so a near-tie goes to the plain action). The formulas are ``router.cost``'s (see ``router.policies.pricing``).
 
 Ranking: the ``max_candidates`` cheapest replicas (each with its best action), plus the best candidate of every
 other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected RNG)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import ClassVar
 
 from router.cost import GB
@@ -49,6 +49,7 @@ _ACTIONS = (Action.HOLDER, Action.FETCH, Action.RECOMPUTE, Action.SPLIT)
 _INF = float("inf")
 _RECOMPUTE_DESC = (_RECOMPUTE, -1, 0, 0, 0)
 _by_ttft = attrgetter("predicted_ttft_s")
+_first = itemgetter(0)
 
 # desc = (action code, hit index or -1, fetch start block, fetch end block, reused tokens)
 Desc = tuple[int, int, int, int, int]
@@ -56,15 +57,31 @@ Desc = tuple[int, int, int, int, int]
 Option = tuple[float, int, int, int, float, str]
 
 
+class _Class:
+    """Replicas of one hardware without an HBM prefix on one node: same prices, they differ only by queue."""
+
+    __slots__ = ("cost", "desc", "acts", "min_q", "min_i")
+
+    def __init__(self, acts: list[tuple[float, Desc]]) -> None:
+        self.acts = acts
+        self.cost, self.desc = min(acts, key=_first)
+        self.min_q = _INF
+        self.min_i = -1
+
+
 class _Group:
     """Per request and hardware: the constants every replica of that hardware shares."""
 
-    __slots__ = ("co", "recompute", "remote", "local", "fast_cost", "fast_desc", "fast_act", "min_q", "min_q_i")
+    __slots__ = ("co", "recompute", "remote", "local", "prompt", "bs", "hits", "split", "fast", "classes")
 
     def __init__(
         self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float
     ) -> None:
         self.co = co
+        self.prompt = prompt
+        self.bs = bs
+        self.hits = hits
+        self.split = split
         self.recompute = co.prefill(prompt, 0.0)
         remote: tuple[list[Option], list[Option]] = ([], [])
         local: dict[str, list[Option]] = {}
@@ -79,26 +96,43 @@ class _Group:
         remote[1].sort()
         self.remote = remote
         self.local = local
-        # The fast path: no HBM prefix, no hit on the replica's node -> every hit is remote; best of each kind.
-        act: list[float] = [_INF, _INF, self.recompute, _INF]
-        descs: list[Desc] = [_RECOMPUTE_DESC] * 4
-        for lst in remote:
-            if not lst:
-                continue
-            e = lst[0]
-            if e[0] < act[_FETCH]:
-                act[_FETCH], descs[_FETCH] = e[0], (_FETCH, e[1], 0, e[2], e[2] * bs)
-            if split:
-                s = co.split(e[3], hbm_tokens=0, prefix_tokens=e[2] * bs, block_size=bs,
-                             extra_latency_s=hits[e[1]][0].queue_delay_s)
-                if s is not None and s[1] + e[4] <= split * e[0] and s[1] + e[4] < act[_SPLIT]:
-                    act[_SPLIT], descs[_SPLIT] = s[1] + e[4], (_SPLIT, e[1], s[0], e[2], (e[2] - s[0]) * bs)
-        best = min(range(4), key=act.__getitem__)
-        self.fast_cost = act[best]
-        self.fast_desc = descs[best]
-        self.fast_act = [(act[a], descs[a]) for a in range(4) if act[a] < _INF]
-        self.min_q = _INF
-        self.min_q_i = -1
+        self.fast = _Class(self.options(0, ""))  # no HBM prefix, no hit on the node: every hit is remote
+        self.classes: dict[str, _Class] = {}
+
+    def node_class(self, node: str) -> _Class:
+        c = self.classes.get(node)
+        if c is None:
+            c = self.classes[node] = _Class(self.options(0, node)) if node in self.local else self.fast
+        return c
+
+    def options(self, hb: int, node: str) -> list[tuple[float, Desc]]:
+        """Every priced action (without the replica's queue) for a replica holding ``hb`` blocks on ``node``."""
+        co, bs = self.co, self.bs
+        hbt = hb * bs
+        out: list[tuple[float, Desc]] = [(self.recompute, _RECOMPUTE_DESC)]
+        best = self.recompute
+        if hb > 0:
+            t = co.prefill(self.prompt, hbt)
+            out.append((t, (_HOLDER, -1, 0, 0, hbt)))
+            best = t if t < best else best
+        opts = [e for e in self.local.get(node, ()) if e[2] > hb]
+        for lst in self.remote:
+            for e in lst:
+                if e[2] > hb and e[5] != node:
+                    opts.append(e)
+                    break
+        for e in opts:
+            t = e[0] - hbt * co.kvb * co.spb[e[3]]
+            out.append((t, (_FETCH, e[1], hb, e[2], e[2] * bs)))
+            best = t if t < best else best
+        if self.split and opts:
+            limit = self.split * best
+            for e in opts:
+                s = co.split(e[3], hbm_tokens=hbt, prefix_tokens=e[2] * bs, block_size=bs,
+                             extra_latency_s=self.hits[e[1]][0].queue_delay_s)
+                if s is not None and s[1] + e[4] <= limit:
+                    out.append((s[1] + e[4], (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)))
+        return out
 
 
 class CostBased(RoutingPolicy):
@@ -112,7 +146,7 @@ class CostBased(RoutingPolicy):
         rng: random.Random | None = None,
         max_candidates: int = 8,
         allow_split: bool = True,
-        split_min_gain: float = 0.1,
+        split_min_gain: float = 0.15,
     ) -> None:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
@@ -139,7 +173,6 @@ class CostBased(RoutingPolicy):
             p = h.prefix_blocks if h.prefix_blocks < max_blocks else max_blocks
             if p > 0:
                 hits.append((h, p))
-        hit_nodes = {h.node_id for h, _ in hits}
         rs = list(cluster.replicas)
         if self._rng is not None and n > 1:
             s = self._rng.randrange(n)
@@ -155,71 +188,44 @@ class CostBased(RoutingPolicy):
         act_desc: list[Desc] = [_RECOMPUTE_DESC] * 4
         last_hw = rs[0].hw
         g = groups[id(last_hw)] = _Group(pricer.coeffs(last_hw), prompt, bs, hits, split)
+        classes = g.classes
         for i in range(n):
             r = rs[i]
-            hw = r.hw
-            if hw is not last_hw:
-                g = groups.get(id(hw))
+            if r.hw is not last_hw:
+                last_hw = r.hw
+                g = groups.get(id(last_hw))  # type: ignore[assignment]
                 if g is None:
-                    g = groups[id(hw)] = _Group(pricer.coeffs(hw), prompt, bs, hits, split)
-                last_hw = hw
-            hb = r.hbm_prefix_blocks
+                    g = groups[id(last_hw)] = _Group(pricer.coeffs(last_hw), prompt, bs, hits, split)
+                classes = g.classes
             q = r.queue_delay_s
-            if hb <= 0 and r.node_id not in hit_nodes:
-                costs[i] = q + g.fast_cost
-                descs[i] = g.fast_desc
-                if q < g.min_q:
-                    g.min_q, g.min_q_i = q, i
+            hb = r.hbm_prefix_blocks
+            if hb <= 0 or max_blocks == 0:
+                c = classes.get(r.node_id)
+                if c is None:
+                    c = g.node_class(r.node_id)
+                costs[i] = q + c.cost
+                descs[i] = c.desc
+                if q < c.min_q:
+                    c.min_q, c.min_i = q, i
                 continue
-            # Slow path: this replica holds a prefix in HBM or shares a node with a hit.
-            if hb > max_blocks:
-                hb = max_blocks
-            co = g.co
-            hbt = hb * bs
-            best = q + g.recompute
-            bd: Desc = _RECOMPUTE_DESC
-            if best < act_cost[_RECOMPUTE]:
-                act_cost[_RECOMPUTE], act_at[_RECOMPUTE], act_desc[_RECOMPUTE] = best, i, bd
-            if hb > 0:
-                t = q + co.prefill(prompt, hbt)
-                d: Desc = (_HOLDER, -1, 0, 0, hbt)
-                if t < act_cost[_HOLDER]:
-                    act_cost[_HOLDER], act_at[_HOLDER], act_desc[_HOLDER] = t, i, d
+            # This replica holds a prefix in HBM: price it on its own.
+            best, bd = _INF, _RECOMPUTE_DESC
+            for t, d in g.options(hb if hb < max_blocks else max_blocks, r.node_id):
+                t += q
+                if t < act_cost[d[0]]:
+                    act_cost[d[0]], act_at[d[0]], act_desc[d[0]] = t, i, d
                 if t < best:
                     best, bd = t, d
-            node = r.node_id
-            options: list[Option] = [e for e in g.local.get(node, ()) if e[2] > hb]
-            for lst in g.remote:
-                for e in lst:
-                    if e[2] > hb and e[5] != node:
-                        options.append(e)
-                        break
-            for e in options:
-                t = q + e[0] - hbt * co.kvb * co.spb[e[3]]
-                d = (_FETCH, e[1], hb, e[2], e[2] * bs)
-                if t < act_cost[_FETCH]:
-                    act_cost[_FETCH], act_at[_FETCH], act_desc[_FETCH] = t, i, d
-                if t < best:
-                    best, bd = t, d
-                if split:
-                    s = co.split(e[3], hbm_tokens=hbt, prefix_tokens=e[2] * bs, block_size=bs,
-                                 extra_latency_s=hits[e[1]][0].queue_delay_s)
-                    if s is not None and s[1] + e[4] <= split * (t - q):
-                        t = q + s[1] + e[4]
-                        d = (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)
-                        if t < act_cost[_SPLIT]:
-                            act_cost[_SPLIT], act_at[_SPLIT], act_desc[_SPLIT] = t, i, d
-                        if t < best:
-                            best, bd = t, d
             costs[i] = best
             descs[i] = bd
         for g in groups.values():
-            if g.min_q_i < 0:
-                continue
-            for c, d in g.fast_act:
-                t = g.min_q + c
-                if t < act_cost[d[0]]:
-                    act_cost[d[0]], act_at[d[0]], act_desc[d[0]] = t, g.min_q_i, d
+            for c in {id(c): c for c in (g.fast, *g.classes.values())}.values():
+                if c.min_i < 0:
+                    continue
+                for t, d in c.acts:
+                    t += c.min_q
+                    if t < act_cost[d[0]]:
+                        act_cost[d[0]], act_at[d[0]], act_desc[d[0]] = t, c.min_i, d
 
         top = sorted(range(n), key=costs.__getitem__)[: self.max_candidates]
         chosen = {(i, descs[i][0]) for i in top}

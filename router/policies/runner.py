@@ -16,7 +16,8 @@ in-flight assignments to the snapshot it shows the policy — +1 waiting and +th
 seconds on the replica's queue delay — until the replica reports them (``acknowledge*``), the first token arrives,
 or ``inflight_ttl_s`` passes; and (2) for policies with ``tie_break`` (candidates ordered by predicted TTFT) picks
 uniformly at random among the candidates within ``max(tie_abs_s, tie_rel · best)`` of the best, with its own
-injected RNG, so two routers with identical views still choose different replicas.
+injected RNG, so two routers with identical views still choose different replicas. Both can be switched off
+(``anti_herding=False``, ``tie_break=False``) to measure the herd a naive router forms.
 
 No I/O: clocks and the RNG are injected; audit log and metrics are optional in-memory sinks.
 """
@@ -106,6 +107,7 @@ class PolicyRunner:
         rng: random.Random,
         tie_abs_s: float = 5e-4,
         tie_rel: float = 0.01,
+        tie_break: bool = True,
         anti_herding: bool = True,
         inflight_ttl_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
@@ -122,7 +124,7 @@ class PolicyRunner:
         self._rng = rng
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
-        self._tie_break = bool(type(policy).tie_break)
+        self._tie_break = tie_break and bool(type(policy).tie_break)
         self.anti_herding = anti_herding
         self.inflight_ttl_s = inflight_ttl_s
         self._clock = clock

@@ -5,7 +5,7 @@ blocks into its own buffer; bytes must be identical. Also: lease/evict interplay
 a corrupted SSD slab is a miss with the checksum-failure metric (never data), the directory follows the shards
 through their event streams, and a shard killed mid-transfer is reported as failed blocks within the deadline.
 
-Run: ``flock /tmp/kvstack-heavy.lock timeout 900 .venv/bin/pytest -m integration tests/integration/test_pool_cluster.py``
+Run: ``flock /tmp/kvstack-heavy.lock timeout 900 .venv/bin/pytest tests/integration/test_pool_cluster.py``
 """
 
 from __future__ import annotations

@@ -337,5 +337,6 @@ def test_events_describe_the_store(tier: TierPlacement, make_store, clock: FakeC
     assert [e.seq for e in batch.events] == list(range(1, len(batch.events) + 1))
     assert d.apply(batch)
     snap = store.snapshot()
-    assert {k: d.locate(k) for k in snap.keys} == {k: {store.shard_id: t} for k, t in zip(snap.keys, snap.tiers)}
+    expected = {k: {store.shard_id: t} for k, t in zip(snap.keys, snap.tiers, strict=True)}
+    assert {k: d.locate(k) for k in snap.keys} == expected
     assert len(d) == len(snap.keys)

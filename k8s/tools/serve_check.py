@@ -1,0 +1,431 @@
+"""Checks of a RayService's ``serveConfigV2`` against Ray Serve, the kvstack app, and the pods it runs on.
+
+Who calls it: ``k8s/tools/manifest_check.py`` for every RayService it validates (and so the unit test).
+
+What is checked (each finding is a ``Problem`` naming where it is and what is wrong):
+- Ray Serve's own schema (``ray.serve.schema.ServeDeploySchema``), plus the models Serve keeps as plain dicts in
+  that schema (``autoscaling_config``, ``request_router_config``), which Serve only validates at deploy time.
+- Key names: Serve's schema ignores unknown keys (a typo like ``autoscaling_confg`` deploys silently with defaults),
+  so every mapping is walked and its keys compared with the schema's fields; ``runtime_env`` keys with Ray's.
+- ``args`` against ``deployments.app_config.AppConfig`` (unknown keys rejected) and its spec names.
+- Import paths resolve to real objects: the app builder, the request router (a ``RequestRouter`` subclass), the
+  engine's KV connector class; the deployment names exist in the graph the builder returns for those args.
+- The app agrees with itself and with the pods: ``args`` and the per-deployment overrides; GPUs, CPUs, memory,
+  the SSD volume and the model volume of the node groups the replicas can land on; autoscaling limits that fit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+REPLICA_DEPLOYMENT = "VLLMReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+APP_CONFIG_PATH = "deployments.app_config:AppConfig"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Mapping-typed Serve fields whose keys are user data, not schema keys.
+FREE_FORM_FIELDS = {"user_config", "request_router_kwargs", "resources", "label_selector", "autoscaling_policy"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.path}: {self.message}"
+
+
+# -- import paths -------------------------------------------------------------------------------------------------
+
+def resolve(path: str) -> Any:
+    """Import ``module:attr`` or ``module.attr`` (Ray Serve's two forms); raise ImportError saying which part failed."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"{path!r} is not of the form 'module:attr' or 'module.attr'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{path!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"{path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- key names ----------------------------------------------------------------------------------------------------
+
+def _models_in(annotation: Any) -> tuple[list[type[BaseModel]], list[type[BaseModel]]]:
+    """(models a mapping value may be, models a list item may be) for a field annotation."""
+    direct: list[type[BaseModel]] = []
+    items: list[type[BaseModel]] = []
+    origin = typing.get_origin(annotation)
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        direct.append(annotation)
+    elif origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            d, i = _models_in(arg)
+            direct += d
+            items += i
+    elif origin in (list, tuple, set, frozenset):
+        for arg in typing.get_args(annotation):
+            d, _ = _models_in(arg)
+            items += d
+    return direct, items
+
+
+def _fields(model: type[BaseModel]) -> dict[str, Any]:
+    out = {}
+    for name, info in model.model_fields.items():
+        out[name] = info
+        if info.alias:
+            out[info.alias] = info
+    return out
+
+
+def unknown_keys(data: Any, model: type[BaseModel], path: str) -> Iterator[str]:
+    """Dotted paths of keys in ``data`` that ``model`` (recursively) has no field for."""
+    if not isinstance(data, dict):
+        return
+    fields = _fields(model)
+    for key, value in data.items():
+        here = f"{path}.{key}" if path else str(key)
+        info = fields.get(key)
+        if info is None:
+            known = ", ".join(sorted(model.model_fields))
+            yield f"{here}: unknown key for {model.__name__} (known: {known})"
+            continue
+        if key in FREE_FORM_FIELDS:
+            continue
+        direct, items = _models_in(info.annotation)
+        if isinstance(value, dict) and direct:
+            yield from unknown_keys(value, direct[0], here)
+        elif isinstance(value, list) and items:
+            for i, item in enumerate(value):
+                yield from unknown_keys(item, items[0], f"{here}[{i}]")
+
+
+def _pydantic_problems(exc: ValidationError, where: str, prefix: str) -> list[Problem]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key (not allowed here)" if err["type"] == "extra_forbidden" else err["msg"]
+        out.append(Problem(where, f"{prefix}.{loc}" if loc else prefix, msg))
+    return out
+
+
+# -- the serve config ---------------------------------------------------------------------------------------------
+
+def parse_serve_config(text: Any, where: str) -> tuple[dict[str, Any] | None, list[Problem]]:
+    if not isinstance(text, str):
+        return None, [Problem(where, "serveConfigV2", f"must be a YAML string, got {type(text).__name__}")]
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        return None, [Problem(where, "serveConfigV2", f"not valid YAML: {exc}")]
+    if not isinstance(cfg, dict):
+        return None, [Problem(where, "serveConfigV2", "must be a YAML mapping")]
+    return cfg, []
+
+
+def check_serve_schema(cfg: dict[str, Any], where: str) -> list[Problem]:
+    """Ray Serve's schema, the dict-typed sub-models Serve checks only at deploy time, and key names."""
+    from ray.runtime_env import RuntimeEnv
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    problems: list[Problem] = []
+    try:  # constructing RequestRouterConfig imports request_router_class, so import errors surface here too
+        ServeDeploySchema.model_validate(cfg)
+    except ValidationError as exc:
+        problems += _pydantic_problems(exc, where, "serveConfigV2")
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        problems.append(Problem(where, "serveConfigV2", f"Ray Serve rejects it: {type(exc).__name__}: {exc}"))
+    problems += [Problem(where, "serveConfigV2." + p.split(": ", 1)[0], p.split(": ", 1)[1])
+                 for p in unknown_keys(cfg, ServeDeploySchema, "")]
+    for a, app in enumerate(cfg.get("applications") or []):
+        if not isinstance(app, dict):
+            continue
+        env = app.get("runtime_env") or {}
+        for key in sorted(set(env) - set(RuntimeEnv.known_fields)):
+            problems.append(Problem(where, f"serveConfigV2.applications[{a}].runtime_env.{key}", "unknown runtime_env key"))
+        for d, dep in enumerate(app.get("deployments") or []):
+            if not isinstance(dep, dict):
+                continue
+            base = f"serveConfigV2.applications[{a}].deployments[{d}]"
+            for key, model in (("autoscaling_config", AutoscalingConfig), ("request_router_config", RequestRouterConfig)):
+                value = dep.get(key)
+                if isinstance(value, dict):
+                    try:
+                        model.model_validate(value)
+                    except ValidationError as exc:
+                        problems += _pydantic_problems(exc, where, f"{base}.{key}")
+                    except (ImportError, AttributeError):
+                        pass  # RequestRouterConfig imports request_router_class: reported by check_imports
+    return problems
+
+
+def parse_args(app: dict[str, Any], where: str, path: str) -> tuple[Any, list[Problem]]:
+    """``args`` as an AppConfig (or None) and the problems; spec names are checked against configs/specs."""
+    try:
+        app_config = resolve(APP_CONFIG_PATH)
+    except ImportError as exc:
+        return None, [Problem(where, path, str(exc))]
+    try:
+        parsed = app_config.model_validate(app.get("args") or {})
+    except ValidationError as exc:
+        return None, _pydantic_problems(exc, where, path)
+    from configs.loader import UnknownNameError, load_gpus, load_models, load_tiers
+
+    try:
+        parsed.check_spec_names(load_models(), load_gpus(), load_tiers())
+    except UnknownNameError as exc:
+        return parsed, [Problem(where, path, str(exc))]
+    return parsed, []
+
+
+def check_imports(app: dict[str, Any], args: Any, where: str, path: str) -> list[Problem]:
+    """The builder, the request routers and the KV connector resolve; deployment names exist in the built graph."""
+    from ray.serve.request_router import RequestRouter
+
+    problems: list[Problem] = []
+    builder = None
+    try:
+        builder = resolve(str(app.get("import_path", "")))
+        if not callable(builder):
+            problems.append(Problem(where, f"{path}.import_path", f"{app['import_path']!r} is not callable"))
+            builder = None
+    except ImportError as exc:
+        problems.append(Problem(where, f"{path}.import_path", str(exc)))
+    for d, dep in enumerate(app.get("deployments") or []):
+        cls_path = (dep.get("request_router_config") or {}).get("request_router_class")
+        if cls_path is None:
+            continue
+        try:
+            cls = resolve(cls_path)
+            if not (inspect.isclass(cls) and issubclass(cls, RequestRouter)):
+                problems.append(Problem(where, f"{path}.deployments[{d}].request_router_config.request_router_class",
+                                        f"{cls_path!r} is not a ray.serve RequestRouter subclass"))
+        except ImportError as exc:
+            problems.append(Problem(where, f"{path}.deployments[{d}].request_router_config", str(exc)))
+    if args is not None and args.engine.kv_connector is not None:
+        conn = args.engine.kv_connector
+        try:
+            if not inspect.isclass(resolve(f"{conn.module_path}:{conn.name}")):
+                problems.append(Problem(where, f"{path}.args.engine.kv_connector", f"{conn.name} is not a class"))
+        except ImportError as exc:
+            problems.append(Problem(where, f"{path}.args.engine.kv_connector", str(exc)))
+    if builder is not None and args is not None:
+        problems += _check_deployment_names(builder, app, where, path)
+    return problems
+
+
+def built_deployments(builder: Any, args: dict[str, Any], app_name: str) -> dict[str, Any]:
+    """Deployment name -> wrapped class/function of the graph ``builder(args)`` returns (no Ray needed)."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.build_app import build_app
+
+    application = call_user_app_builder_with_args_if_necessary(builder, args)
+    built = build_app(application, name=app_name)
+    return {d.name: d.func_or_class for d in built.deployments}
+
+
+def _check_deployment_names(builder: Any, app: dict[str, Any], where: str, path: str) -> list[Problem]:
+    try:
+        graph = built_deployments(builder, app.get("args") or {}, str(app.get("name", "default")))
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's builder is a finding, reported as such
+        return [Problem(where, f"{path}.import_path", f"building the app from its args failed: {type(exc).__name__}: {exc}")]
+    problems = []
+    for d, dep in enumerate(app.get("deployments") or []):
+        if dep.get("name") not in graph:
+            problems.append(Problem(where, f"{path}.deployments[{d}].name",
+                                    f"{dep.get('name')!r} is not a deployment of the app (has: {', '.join(sorted(graph))})"))
+    return problems
+
+
+# -- consistency between args, Serve overrides and the pods -------------------------------------------------------
+
+_SUFFIXES = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+}
+
+
+def parse_quantity(value: Any) -> float:
+    """A Kubernetes resource quantity ('64Gi', '500m', '8', 1e3) as a number."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)]:
+            return float(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    return float(text)
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """What one head/worker group offers to Ray: logical CPUs and GPUs, memory, mounts, and how many pods."""
+
+    name: str
+    path: str
+    cpus: float
+    gpus: float
+    gpu_limit: float
+    memory: float | None
+    object_store: float
+    max_pods: int
+    mounts: dict[str, dict[str, Any]]  # mountPath -> volume
+    ports: dict[str, int]
+    start_params: dict[str, str]
+
+
+def node_groups(ray_cluster_spec: dict[str, Any], base: str) -> list[NodeGroup]:
+    groups = []
+    specs = [("head", f"{base}/headGroupSpec", ray_cluster_spec.get("headGroupSpec") or {}, 1)]
+    for i, w in enumerate(ray_cluster_spec.get("workerGroupSpecs") or []):
+        specs.append((str(w.get("groupName")), f"{base}/workerGroupSpecs/{i}", w, int(w.get("maxReplicas", 0))))
+    for name, path, spec, max_pods in specs:
+        pod = (spec.get("template") or {}).get("spec") or {}
+        containers = pod.get("containers") or [{}]
+        main = containers[0]
+        limits = (main.get("resources") or {}).get("limits") or {}
+        params = {k: str(v) for k, v in (spec.get("rayStartParams") or {}).items()}
+        cpu_default = parse_quantity(limits["cpu"]) if "cpu" in limits else 0.0
+        gpu_limit = parse_quantity(limits.get(GPU_RESOURCE, 0))
+        volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+        mounts = {m["mountPath"]: volumes.get(m.get("name"), {}) for m in main.get("volumeMounts") or []}
+        ports = {p.get("name", ""): int(p["containerPort"]) for p in main.get("ports") or []}
+        groups.append(NodeGroup(
+            name=name, path=path,
+            cpus=float(params.get("num-cpus", cpu_default)),
+            gpus=float(params.get("num-gpus", gpu_limit)),
+            gpu_limit=gpu_limit,
+            memory=parse_quantity(limits["memory"]) if "memory" in limits else None,
+            object_store=float(params.get("object-store-memory", 0)),
+            max_pods=max_pods, mounts=mounts, ports=ports, start_params=params,
+        ))
+    return groups
+
+
+def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
+    for dep in app.get("deployments") or []:
+        if dep.get("name") == name:
+            return dep
+    return {}
+
+
+def _mount_for(group: NodeGroup, path: str) -> dict[str, Any] | None:
+    best = None
+    for mount_path, volume in group.mounts.items():
+        prefix = mount_path.rstrip("/") + "/"
+        if (path == mount_path or path.startswith(prefix)) and (best is None or len(mount_path) > len(best[0])):
+            best = (mount_path, volume)
+    return best[1] if best else None
+
+
+def check_consistency(app: dict[str, Any], args: Any, ray_cluster_spec: dict[str, Any], where: str,
+                      path: str, cluster_path: str) -> list[Problem]:
+    """args vs the Serve overrides, and both vs the node groups the deployments can be placed on."""
+    problems: list[Problem] = []
+    p = lambda sub, msg: problems.append(Problem(where, f"{path}.{sub}", msg))  # noqa: E731
+
+    replica, ingress = _deployment(app, REPLICA_DEPLOYMENT), _deployment(app, INGRESS_DEPLOYMENT)
+    r = args.replicas
+    # args and the per-deployment overrides must say the same thing (the override wins in Serve).
+    auto = args.serve_autoscaling_config()
+    if "autoscaling_config" in replica and auto is not None:
+        override = replica["autoscaling_config"]
+        for key, value in auto.items():
+            if key in override and float(override[key]) != float(value):
+                p(f"deployments[{REPLICA_DEPLOYMENT}].autoscaling_config.{key}",
+                  f"{override[key]} but args.replicas.autoscaling_config.{key} is {value}")
+        for key in set(override) & set(type(r.autoscaling_config).model_fields) - set(auto):
+            p(f"deployments[{REPLICA_DEPLOYMENT}].autoscaling_config.{key}", "set here but not in args")
+    if ("autoscaling_config" in replica) != (auto is not None) and replica:
+        p(f"deployments[{REPLICA_DEPLOYMENT}]", "autoscaling here and in args.replicas must both be on or both off")
+    if "num_replicas" in replica and r.num_replicas is not None and replica["num_replicas"] != r.num_replicas:
+        p(f"deployments[{REPLICA_DEPLOYMENT}].num_replicas", f"differs from args.replicas.num_replicas ({r.num_replicas})")
+    if "max_ongoing_requests" in replica and replica["max_ongoing_requests"] != r.max_ongoing_requests:
+        p(f"deployments[{REPLICA_DEPLOYMENT}].max_ongoing_requests",
+          f"differs from args.replicas.max_ongoing_requests ({r.max_ongoing_requests})")
+    opts = replica.get("ray_actor_options") or {}
+    for key, value in args.serve_ray_actor_options().items():
+        if key in opts and float(opts[key]) != float(value):
+            p(f"deployments[{REPLICA_DEPLOYMENT}].ray_actor_options.{key}", f"{opts[key]} but args.replicas.{key} is {value}")
+    if "num_replicas" in ingress and ingress["num_replicas"] != args.ingress.num_replicas:
+        p(f"deployments[{INGRESS_DEPLOYMENT}].num_replicas",
+          f"differs from args.ingress.num_replicas ({args.ingress.num_replicas})")
+
+    groups = node_groups(ray_cluster_spec, cluster_path)
+    rep_cpus = float(opts.get("num_cpus", r.num_cpus))
+    rep_gpus = float(opts.get("num_gpus", r.num_gpus))
+    ing_cpus = float((ingress.get("ray_actor_options") or {}).get("num_cpus", 0.0))  # unknown: assume anywhere
+    hosts = [g for g in groups if g.cpus >= rep_cpus and g.gpus >= rep_gpus]
+    ing_hosts = [g for g in groups if g.cpus >= ing_cpus]
+    if not hosts:
+        p(f"deployments[{REPLICA_DEPLOYMENT}]", f"no node group offers {rep_cpus} CPUs and {rep_gpus} GPUs per replica")
+    model_path = args.engine.model_path
+    for g in {g.name: g for g in hosts + ing_hosts}.values():
+        if _mount_for(g, model_path) is None:
+            who = "replicas" if g in hosts else "ingress replicas (they load the tokenizer)"
+            problems.append(Problem(where, f"{g.path}", f"{who} can run here but engine.model_path {model_path} is "
+                                    "not on a mounted volume"))
+    for g in groups:
+        where_g = g.path
+        if rep_gpus > 0 and g in hosts:
+            if g.gpu_limit <= 0:
+                problems.append(Problem(where, where_g, f"replicas need {rep_gpus} GPU(s) but the container has no "
+                                        f"{GPU_RESOURCE} limit"))
+            elif "num-gpus" in g.start_params and float(g.start_params["num-gpus"]) != g.gpu_limit:
+                problems.append(Problem(where, f"{where_g}/rayStartParams/num-gpus",
+                                        f"{g.start_params['num-gpus']} but the container's {GPU_RESOURCE} limit is "
+                                        f"{g.gpu_limit:g}"))
+        if rep_gpus == 0 and g.gpu_limit > 0:
+            problems.append(Problem(where, where_g, f"replicas use no GPU but the pod requests {g.gpu_limit:g} {GPU_RESOURCE}"))
+    # The KV pool shard lives on every node that runs replicas: DRAM arena, SSD volume, metrics port.
+    pool = args.pool
+    if pool.enabled:
+        for g in hosts:
+            if g.memory is not None and g.memory < pool.dram_bytes + g.object_store:
+                problems.append(Problem(where, f"{g.path}/template/spec/containers/0/resources/limits/memory",
+                                        f"{g.memory / 2**30:.1f} GiB cannot hold pool.dram_bytes "
+                                        f"({pool.dram_bytes / 2**30:.1f} GiB) + object-store-memory "
+                                        f"({g.object_store / 2**30:.1f} GiB)"))
+            if pool.ssd_bytes > 0 and pool.ssd_dir:
+                volume = _mount_for(g, pool.ssd_dir)
+                if volume is None:
+                    problems.append(Problem(where, g.path, f"pool.ssd_dir {pool.ssd_dir} is not on a mounted volume"))
+                elif "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+                    limit = volume["emptyDir"].get("sizeLimit")
+                    if limit is not None and parse_quantity(limit) < pool.ssd_bytes:
+                        problems.append(Problem(where, g.path, f"SSD volume {volume.get('name')} sizeLimit {limit} < "
+                                                f"pool.ssd_bytes {pool.ssd_bytes}"))
+                elif not ({"emptyDir", "hostPath", "persistentVolumeClaim", "ephemeral"} & set(volume)):
+                    problems.append(Problem(where, g.path, f"SSD volume {volume.get('name')} is not a local disk volume"))
+            if pool.metrics_port and pool.metrics_port not in g.ports.values():
+                problems.append(Problem(where, g.path, f"pool.metrics_port {pool.metrics_port} is not a container port"))
+    # Serve autoscaling may ask for max_replicas: the Ray autoscaler must be able to add enough pods for them.
+    if r.autoscaling_config is not None:
+        n = r.autoscaling_config.max_replicas
+        if rep_gpus > 0:
+            room = sum(int(g.gpus // rep_gpus) * g.max_pods for g in hosts)
+        else:
+            room = sum(int(g.cpus // rep_cpus) * g.max_pods for g in hosts) if rep_cpus > 0 else n
+        if room < n:
+            p(f"args.replicas.autoscaling_config.max_replicas",
+              f"{n} replicas, but the worker groups fit at most {room} at their maxReplicas")
+    return problems

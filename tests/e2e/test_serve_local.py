@@ -1,0 +1,151 @@
+"""E2E: ``kvstack serve`` as a subprocess — a real local Ray cluster (head + 2 workers), 2 real vLLM replicas (CPU
+build), pool shards, the router — driven with the real ``openai`` SDK; then SIGTERM must leave no process behind.
+
+One module-scoped server (~2-3 min to start on a 2-core box); every test talks to it over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny-qwen3"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    state = tmp / "serve.json"
+    log_path = tmp / "serve.log"
+    cmd = [
+        sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
+        "--set", f"app.engine.model_path={REPO / '.kvstack/models/tiny-qwen3'}",
+        "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
+    ]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 480
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"kvstack serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            if "is serving" in log_path.read_text():
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"kvstack serve not ready within 480 s:\n{log_path.read_text()[-4000:]}")
+        yield {"proc": proc, "base": f"http://127.0.0.1:{port}/v1", "state": state, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
+
+
+def test_chat_completion_and_stream(client) -> None:
+    messages = [{"role": "user", "content": "Tell me about the KV cache."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    deltas, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(deltas) == full.choices[0].message.content  # greedy: same tokens streamed or not
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_completions_and_models(client) -> None:
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client) -> None:
+    import openai
+
+    url = server["base"] + "/chat/completions"
+    r = httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-3)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    assert "maximum context length" in str(too_long.value)
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still there?"}],
+                                        max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_second_turn_reuses_the_holder(server, client) -> None:
+    """A long shared prefix: the second request goes to the replica that computed it (HOLDER), same tokens."""
+    system = "You are a careful assistant. " + " ".join(f"fact {i} is number {i * 7}." for i in range(120))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is fact 3?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    time.sleep(2.0)  # let the replica's HBM report reach the router
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    decisions = httpx.get(server["base"][:-3] + "/kvstack/decisions?limit=2", timeout=30).json()
+    last = decisions[-1]
+    assert last["action"] in ("holder", "fetch", "split"), last
+    assert second.usage.prompt_tokens_details.cached_tokens >= 128
+
+
+def test_status_lists_nodes_replicas_shards(server) -> None:
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--state-file", str(server["state"]),
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    workers = [n for n in status["nodes"] if n["cpus"] > 0]
+    assert len(workers) == 2
+    assert len(status["replicas"]) == 2
+    assert len(status["shards"]) == 2
+    assert status["decisions"], "recent decisions are listed"
+
+
+def test_sigterm_leaves_no_process_behind(server) -> None:
+    proc = server["proc"]
+    tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(tree) > 5, "the serve process should own the Ray node processes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, server["log"].read_text()[-3000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(1)
+    assert not alive, f"processes left behind: {[psutil.Process(p).cmdline()[:2] for p in alive]}"

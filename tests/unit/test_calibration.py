@@ -1,0 +1,101 @@
+"""Online calibration: MFU per replica and bandwidth/latency per tier class, robust to outliers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from configs.schema import TierSpec
+from router import cost
+from router.calibration import Calibrator, MfuEstimator, OnlineLine, TierEstimator
+from tests.fakes import router_hw, router_tier_map
+
+
+def test_online_line_recovers_a_noisy_line_and_rejects_outliers() -> None:
+    rng = random.Random(0)
+    line = OnlineLine(halflife=200, min_obs=5)
+    for _ in range(400):
+        x = rng.uniform(1, 100)
+        y = 0.5 + 2.0 * x
+        if rng.random() < 0.05:
+            y *= 10  # stragglers
+        line.observe(x, y * rng.uniform(0.98, 1.02))
+    a, b = line.fit()  # type: ignore[misc]
+    assert b == pytest.approx(2.0, rel=0.02) and a == pytest.approx(0.5, abs=0.6)
+    assert line.rejected >= 10
+
+
+def test_online_line_follows_a_real_change() -> None:
+    line = OnlineLine(halflife=10, min_obs=5)
+    for i in range(50):
+        line.observe(float(i % 7 + 1), 1.0 * (i % 7 + 1))
+    for i in range(80):
+        line.observe(float(i % 7 + 1), 3.0 * (i % 7 + 1))  # the hardware slowed down for good
+    assert line.fit()[1] == pytest.approx(3.0, rel=0.05)  # type: ignore[index]
+
+
+def test_online_line_with_constant_x_goes_through_the_origin() -> None:
+    line = OnlineLine(min_obs=3)
+    for _ in range(5):
+        line.observe(10.0, 20.0)
+    assert line.fit() == (0.0, 2.0)
+    with pytest.raises(ValueError):
+        line.observe(float("nan"), 1.0)
+
+
+def test_mfu_fit_recovers_the_true_mfu() -> None:
+    configured = router_hw(mfu=0.5)
+    true_mfu, overhead = 0.31, 0.004
+    est = MfuEstimator(configured, halflife=100)
+    rng = random.Random(1)
+    assert est.hardware() is configured  # nothing observed yet
+    for _ in range(200):
+        tokens = rng.randint(100, 30000)
+        cached = rng.randint(0, tokens - 1)
+        t = overhead + cost.t_prefill(configured.model, configured.gpu, tokens, mfu=true_mfu, cached_tokens=cached)
+        est.observe(tokens, cached, t * rng.uniform(0.97, 1.03))
+    hw = est.hardware()
+    assert hw.mfu == pytest.approx(true_mfu, rel=0.05) and hw.gpu is configured.gpu
+    assert est.overhead_s == pytest.approx(overhead, abs=0.01)
+    assert est.hardware() is hw  # stable object while the estimate does not move (keeps pricing caches warm)
+    with pytest.raises(ValueError):
+        est.observe(100, 200, 1.0)  # cached > tokens
+    with pytest.raises(ValueError):
+        est.observe(100, 0, 0.0)
+
+
+def test_tier_fit_reproduces_observed_transfers() -> None:
+    base = TierSpec(name="rdma-pool", bandwidth_gbps=50, latency_s=0.0)
+    est = TierEstimator(base, bw_util=0.8, halflife=100)
+    true_bps, true_lat = 22e9, 0.0015
+    rng = random.Random(2)
+    for _ in range(200):
+        nbytes = rng.uniform(1e6, 2e9)
+        est.observe(nbytes, (true_lat + nbytes / true_bps) * rng.uniform(0.98, 1.02))
+    spec = est.tier_spec()
+    assert spec.name == "rdma-pool" and "calibrated" in spec.description
+    assert spec.latency_s == pytest.approx(true_lat, abs=0.003)
+    hw = router_hw(bw_util=0.8)
+    predicted = cost.t_fetch(hw.model, spec, 10_000, bw_util=0.8)
+    actual = true_lat + cost.fetch_bytes(hw.model, 10_000) / true_bps
+    assert predicted == pytest.approx(actual, rel=0.05)
+
+
+def test_calibrator_updates_hardware_and_tier_map() -> None:
+    cal = Calibrator(bw_util=0.8, min_obs=3)
+    hw = router_hw(mfu=0.5, bw_util=0.8)
+    base = router_tier_map()
+    assert cal.hardware("r0", hw) is hw and cal.tier_map(base) is base
+    for tokens in (1000, 5000, 9000, 20000, 30000):
+        cal.observe_prefill("r0", hw, tokens, 0, cost.t_prefill(hw.model, hw.gpu, tokens, mfu=0.25))
+        cal.observe_transfer("dram_remote", base, tokens * 1e5, tokens * 1e5 / 10e9)
+    assert cal.hardware("r0", hw).mfu == pytest.approx(0.25, rel=1e-3)
+    assert cal.hardware("r1", hw) is hw
+    tm = cal.tier_map(base)
+    assert tm.dram_remote.bandwidth_gbps == pytest.approx(10 / 0.8, rel=1e-3)
+    assert tm.dram_local is base.dram_local
+    with pytest.raises(ValueError, match="unknown tier class"):
+        cal.observe_transfer("tape", base, 1.0, 1.0)
+    cal.forget_replica("r0")
+    assert cal.hardware("r0", hw) is hw

@@ -1,0 +1,210 @@
+"""The cluster prefix view: longest prefixes per holder, event ordering / resync per source, TTL, snapshots."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, ShardSnapshot, Tier
+from router.events import (
+    REPLICA_EVENTS_VERSION,
+    ReplicaBlockEvent,
+    ReplicaEventBatch,
+    ReplicaEventKind,
+    ReplicaSnapshot,
+    decode,
+    encode,
+)
+from router.index import PrefixIndex
+from router.policies.base import PoolHit
+from tests.fakes import RouterClock, router_keys, router_replica, router_request
+
+KEYS = router_keys(64)
+STORED, REMOVED, CLEARED = ReplicaEventKind.STORED, ReplicaEventKind.REMOVED, ReplicaEventKind.CLEARED
+
+
+def rbatch(replica: str, after: int, events: list[tuple[ReplicaEventKind, Sequence[bytes]]], *, epoch: str = "e1",
+           node: str = "node-0", gap: bool = False) -> ReplicaEventBatch:
+    evs = [ReplicaBlockEvent(after + i + 1, kind, list(keys)) for i, (kind, keys) in enumerate(events)]
+    return ReplicaEventBatch(REPLICA_EVENTS_VERSION, replica, node, epoch, after, after + len(evs), evs, gap)
+
+
+def sbatch(shard: str, after: int, events: list[tuple[EventKind, bytes, Tier]], *, epoch: str = "e1",
+           gap: bool = False) -> EventBatch:
+    evs = [BlockEvent(after + i + 1, kind, key, tier) for i, (kind, key, tier) in enumerate(events)]
+    return EventBatch(EVENTS_WIRE_VERSION, shard, epoch, after, after + len(evs), evs, gap)
+
+
+def test_longest_prefix_per_replica_and_shard_tier() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:10])]))
+    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, KEYS[:3] + KEYS[4:20])]))  # a hole at block 3
+    idx.apply_shard_batch(
+        sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in KEYS[:5]]
+               + [(EventKind.STORED, k, Tier.SSD) for k in KEYS[:30]]),
+        node_id="node-3",
+    )
+    m = idx.query(KEYS[:40])
+    assert m.hbm == {"r0": 10, "r1": 3}
+    assert sorted(m.pool, key=lambda h: h.tier) == [PoolHit("s0", "node-3", "dram", 5), PoolHit("s0", "node-3", "ssd", 30)]
+    assert idx.query([]).hbm == {} and idx.query(router_keys(3, salt="other")).pool == ()
+    idx.apply_replica_batch(rbatch("r0", 1, [(REMOVED, KEYS[7:10])]))
+    assert idx.query(KEYS).hbm["r0"] == 7
+    idx.apply_replica_batch(rbatch("r0", 2, [(CLEARED, [])]))
+    assert "r0" not in idx.query(KEYS).hbm and idx.held_blocks("replica", "r0", "hbm") == 0
+
+
+def test_shard_tier_moves() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_shard_batch(sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in KEYS[:8]]), node_id="n")
+    idx.apply_shard_batch(sbatch("s0", 8, [(EventKind.TIER_CHANGED, k, Tier.SSD) for k in KEYS[4:8]]), node_id="n")
+    tiers = {h.tier: h.prefix_blocks for h in idx.query(KEYS).pool}
+    assert tiers == {"dram": 4}  # the SSD copy starts at block 4, so it is no prefix
+    idx.apply_shard_batch(sbatch("s0", 12, [(EventKind.TIER_CHANGED, k, Tier.SSD) for k in KEYS[:4]]), node_id="n")
+    assert {h.tier: h.prefix_blocks for h in idx.query(KEYS).pool} == {"ssd": 8}
+
+
+def test_query_cost_is_proportional_to_the_matched_length() -> None:
+    class Counting(list):  # type: ignore[type-arg]
+        touched = 0
+
+        def __getitem__(self, i):  # type: ignore[no-untyped-def]
+            out = super().__getitem__(i)
+            Counting.touched += len(out) if isinstance(i, slice) else 1
+            return out
+
+    keys = router_keys(20_000)
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, keys[:10])]))
+    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, keys[:5000])]))
+    req = Counting(keys)
+    assert idx.query(req).hbm == {"r0": 10, "r1": 5000}
+    assert Counting.touched <= 2 * 5000 + 64
+    Counting.touched = 0
+    idx.remove_source("replica", "r1")
+    assert idx.query(req).hbm == {"r0": 10} and Counting.touched <= 64
+
+
+def test_gap_marks_stale_requests_resync_and_snapshot_repairs() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:4])]))
+    assert not idx.is_stale("replica", "r0") and idx.take_resync_requests() == []
+    # seq 2 is lost: the batch after seq 2 arrives; it is applied but the source is stale.
+    idx.apply_replica_batch(rbatch("r0", 2, [(STORED, KEYS[10:12])]))
+    assert idx.is_stale("replica", "r0")
+    (req,) = idx.take_resync_requests()
+    assert (req.source_kind, req.source_id) == ("replica", "r0") and "gap" in req.reason
+    # More events while waiting (seq 4), then the snapshot taken at seq 3 arrives: state = snapshot + seq 4.
+    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, KEYS[:1])]))
+    idx.apply_replica_snapshot(ReplicaSnapshot(REPLICA_EVENTS_VERSION, "r0", "node-0", "e1", 3, KEYS[:8]))
+    assert not idx.is_stale("replica", "r0")
+    assert idx.query(KEYS).hbm == {}  # block 0 removed at seq 4, replayed after the snapshot
+    assert idx.held_blocks("replica", "r0", "hbm") == 7
+    # A duplicate / overlapping batch is ignored.
+    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, KEYS[:1])]))
+    idx.apply_replica_batch(rbatch("r0", 4, [(STORED, KEYS[:1])]))
+    assert idx.query(KEYS).hbm == {"r0": 8}
+
+
+def test_publisher_gap_flag_and_mid_epoch_join() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r5", 40, [(STORED, KEYS[:2])]))  # first seen at seq 41
+    assert idx.is_stale("replica", "r5")
+    assert "mid-epoch" in idx.take_resync_requests()[0].reason
+    idx.apply_shard_batch(sbatch("s1", 0, [], gap=True), node_id="n1")
+    (req,) = idx.take_resync_requests()
+    assert (req.source_kind, req.source_id) == ("shard", "s1")
+    snap = ShardSnapshot(EVENTS_WIRE_VERSION, "s1", "e1", 9, list(KEYS[:3]), [Tier.DRAM, Tier.DRAM, Tier.SSD])
+    idx.apply_shard_snapshot(snap, node_id="n1")
+    assert {h.tier: h.prefix_blocks for h in idx.query(KEYS).pool} == {"dram": 2}
+    assert not idx.is_stale("shard", "s1")
+
+
+def test_new_epoch_resets_the_source() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:6])]))
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:2])], epoch="e2"))  # restarted, full history
+    assert idx.query(KEYS).hbm == {"r0": 2} and not idx.is_stale("replica", "r0")
+
+
+def test_sources_not_heard_from_within_ttl_are_dropped() -> None:
+    clock = RouterClock()
+    idx = PrefixIndex(ttl_s=10, clock=clock)
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:4])]))
+    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, KEYS[:4])]))
+    clock.advance(6)
+    idx.apply_replica_batch(rbatch("r1", 1, []))  # heartbeat
+    clock.advance(6)
+    assert idx.expire() == [("replica", "r0")]
+    assert idx.query(KEYS).hbm == {"r1": 4} and len(idx) == 4
+    clock.advance(11)
+    idx.apply_shard_batch(sbatch("s0", 0, []), node_id="n")  # any event triggers the periodic sweep
+    assert idx.query(KEYS).hbm == {} and len(idx) == 0
+
+
+def test_bits_are_reused_after_a_holder_goes() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    for i in range(50):
+        idx.apply_replica_batch(rbatch(f"r{i}", 0, [(STORED, KEYS[:i + 1])]))
+        if i >= 2:
+            idx.remove_source("replica", f"r{i - 2}")
+    assert len(idx._by_bit) <= 3  # noqa: SLF001 (the masks stay small as replicas churn)
+    assert idx.query(KEYS).hbm == {"r48": 49, "r49": 50}
+
+
+def test_snapshot_fills_prefixes_and_shard_queues() -> None:
+    idx = PrefixIndex(clock=RouterClock())
+    request = router_request(64 * 16)
+    keys = list(request.block_keys)
+    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, keys[:20])]))
+    idx.apply_shard_batch(sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in keys]), node_id="node-2")
+    reps = [router_replica("r0"), router_replica("r1"), router_replica("r2", hbm_prefix_blocks=5)]  # r2: stale value
+    snap = idx.snapshot(request, reps, {"s0": 0.02})
+    assert [r.hbm_prefix_blocks for r in snap.replicas] == [0, 20, 0]
+    assert snap.replicas[0] is reps[0]  # untouched replicas are not copied
+    assert snap.pool_hits == (PoolHit("s0", "node-2", "dram", 64, 0.02),)
+
+
+def test_events_round_trip_and_versions_are_checked() -> None:
+    batch = rbatch("r0", 0, [(STORED, KEYS[:3]), (CLEARED, [])])
+    assert decode(encode(batch)) == batch
+    idx = PrefixIndex(clock=RouterClock())
+    bad = ReplicaEventBatch(99, "r0", "n", "e", 0, 0, [])
+    with pytest.raises(ValueError, match="version 99"):
+        idx.apply_replica_batch(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    holdings=st.lists(st.sets(st.integers(0, 30), max_size=31), min_size=1, max_size=6),
+    length=st.integers(0, 31),
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 30)), max_size=40),
+)
+def test_query_matches_brute_force(holdings: list[set[int]], length: int, ops: list[tuple[int, int]]) -> None:
+    keys = router_keys(31)
+    idx = PrefixIndex(clock=RouterClock())
+    seqs = [0] * len(holdings)
+    held = [set(h) for h in holdings]
+    for r, h in enumerate(holdings):
+        idx.apply_replica_batch(rbatch(f"r{r}", 0, [(STORED, [keys[i] for i in sorted(h)])]))
+        seqs[r] = 1
+    rng = random.Random(len(ops))
+    for r, i in ops:  # random removals / re-adds
+        if r >= len(holdings):
+            continue
+        kind = REMOVED if i in held[r] and rng.random() < 0.7 else STORED
+        (held[r].discard if kind is REMOVED else held[r].add)(i)
+        idx.apply_replica_batch(rbatch(f"r{r}", seqs[r], [(kind, [keys[i]])]))
+        seqs[r] += 1
+    expected = {}
+    for r, h in enumerate(held):
+        n = 0
+        while n < length and n in h:
+            n += 1
+        if n:
+            expected[f"r{r}"] = n
+    assert idx.query(keys[:length]).hbm == expected

@@ -1,0 +1,315 @@
+"""router.wire (typed ingress <-> replica messages), router.hub (HubState: the bounded report log, cursors,
+snapshots on a gap; the ClusterViewHub actor body without Ray) and deployments.replica.HbmPrefixLedger (the
+replica's HBM key set and the deltas it publishes). The end-to-end property: a reader that applies what it polls
+holds exactly each replica's ledger, however far behind it falls."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from deployments.replica import HbmPrefixLedger
+from router.hub import HUB_WIRE_VERSION, ClusterViewHub, HubState, PollReply, ReplicaReport
+from router.wire import (
+    WIRE_VERSION,
+    FetchPlanMsg,
+    GenerateChunk,
+    GenerateRequest,
+    Sampling,
+    TokenLogprob,
+    check_version,
+)
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def report(rid: str, seq: int, stored: list[int] = (), removed: list[int] = (), full: bool = False,  # type: ignore[assignment]
+           running: int = 0) -> ReplicaReport:
+    return ReplicaReport(replica_id=rid, node_id=f"node-{rid}", seq=seq, running=running, waiting=0,
+                         stored=[k(i) for i in stored], removed=[k(i) for i in removed], full=full)
+
+
+# -- wire ----------------------------------------------------------------------------------------------------------
+def test_generate_request_roundtrips_through_msgpack() -> None:
+    req = GenerateRequest(
+        request_id="chatcmpl-1", prompt_token_ids=list(range(300)), block_keys=[k(1), k(2)],
+        sampling=Sampling(max_tokens=7, temperature=0.2, n=2, seed=5, stop=["x"], logprobs=3),
+        target_replica="abc123", action="fetch",
+        fetch_plan=FetchPlanMsg("shard-1", "node-1", "dram", 0, 2), stream=False,
+    )
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
+    assert back == req
+    assert back.version == WIRE_VERSION and back.fetch_plan is not None and back.fetch_plan.end_block == 2
+
+
+def test_generate_chunk_roundtrips_with_logprobs() -> None:
+    chunk = GenerateChunk(index=1, text="hé", token_ids=[4, 5], finish_reason="stop", prompt_tokens=9,
+                          cached_tokens=8, replica_id="r", logprobs=[[TokenLogprob(4, "h", -0.5)],
+                                                                     [TokenLogprob(5, "é", -1.0),
+                                                                      TokenLogprob(6, "e", -2.0)]])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(chunk), type=GenerateChunk) == chunk
+
+
+def test_wire_rejects_wrong_types_and_versions() -> None:
+    raw = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": ["not", "ints"],
+                                  "sampling": {"max_tokens": 1}})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(raw, type=GenerateRequest)
+    with pytest.raises(msgspec.ValidationError):  # sampling.max_tokens is required
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1],
+                                                       "sampling": {}}), type=GenerateRequest)
+    newer = msgspec.msgpack.decode(
+        msgspec.msgpack.encode({"version": WIRE_VERSION + 1, "request_id": "r", "prompt_token_ids": [1],
+                                "sampling": {"max_tokens": 1}}), type=GenerateRequest)
+    with pytest.raises(ValueError, match="wire version"):
+        check_version(newer.version, "GenerateRequest")
+    check_version(WIRE_VERSION, "GenerateRequest")
+
+
+def test_sampling_defaults_are_not_shared() -> None:
+    a, b = Sampling(max_tokens=1), Sampling(max_tokens=1)
+    assert a.stop == [] and a.stop is not b.stop
+
+
+# -- hub: deltas, cursors, snapshots -------------------------------------------------------------------------------
+def test_poll_returns_deltas_in_order_and_advances_the_cursor() -> None:
+    hub = HubState()
+    assert hub.poll(0) == PollReply(cursor=0, reports=[])
+    reps = [report("a", 1, [1, 2], full=True), report("b", 1, [7], full=True), report("a", 2, [3], [1])]
+    for r in reps:
+        hub.publish(r)
+    reply = hub.poll(0)
+    assert not reply.snapshot and reply.reports == reps and reply.cursor == 3
+    again = hub.poll(reply.cursor)
+    assert again.reports == [] and again.cursor == 3 and not again.snapshot
+    assert hub.poll(1).reports == reps[1:]
+    hub.publish(report("b", 2, [8]))
+    later = hub.poll(3)
+    assert [r.seq for r in later.reports] == [2] and later.cursor == 4
+
+
+def test_poll_pages_by_max_reports() -> None:
+    hub = HubState()
+    for i in range(10):
+        hub.publish(report("a", i + 1, [i]))
+    cursor, seen = 0, []
+    while True:
+        reply = hub.poll(cursor, max_reports=3)
+        assert not reply.snapshot and len(reply.reports) <= 3
+        if not reply.reports:
+            break
+        seen += [r.seq for r in reply.reports]
+        cursor = reply.cursor
+    assert seen == list(range(1, 11)) and cursor == 10
+
+
+def test_cursor_older_than_the_log_gets_a_snapshot() -> None:
+    hub = HubState(max_log=4)
+    hub.publish(report("a", 1, [1, 2, 3], full=True))
+    hub.publish(report("b", 1, [10], full=True))
+    hub.publish(report("a", 2, [4], [1]))
+    hub.publish(report("b", 2, [11], [10]))
+    hub.publish(report("a", 3, [5], [2], running=3))  # log now holds seqs 2..5
+    assert not hub.poll(1).snapshot  # exactly at the oldest-1 boundary: deltas still line up
+    assert [r.seq for r in hub.poll(1).reports] == [1, 2, 2, 3]
+    reply = hub.poll(0)
+    assert reply.snapshot and reply.cursor == 5
+    by_id = {r.replica_id: r for r in reply.reports}
+    assert set(by_id) == {"a", "b"}
+    assert all(r.full and r.removed == [] and not r.gone for r in reply.reports)
+    assert set(by_id["a"].stored) == {k(3), k(4), k(5)} and by_id["a"].running == 3 and by_id["a"].seq == 3
+    assert set(by_id["b"].stored) == {k(11)}
+
+
+def test_cursor_from_the_future_gets_a_snapshot() -> None:
+    hub = HubState()
+    hub.publish(report("a", 1, [1], full=True))
+    reply = hub.poll(50)  # e.g. the hub restarted and its sequence began again
+    assert reply.snapshot and reply.cursor == 1 and [r.replica_id for r in reply.reports] == ["a"]
+
+
+def test_full_report_replaces_the_key_set() -> None:
+    hub = HubState(max_log=1)
+    hub.publish(report("a", 1, [1, 2, 3], full=True))
+    hub.publish(report("a", 2, [4]))
+    hub.publish(report("a", 3, [9, 10], full=True))
+    (snap,) = hub.snapshot().reports
+    assert set(snap.stored) == {k(9), k(10)}
+
+
+def test_removals_apply_before_stores_within_a_report() -> None:
+    hub = HubState()
+    hub.publish(report("a", 1, [1, 2], full=True))
+    hub.publish(report("a", 2, stored=[2], removed=[2, 1]))  # re-stored after an eviction in the same window
+    (snap,) = hub.snapshot().reports
+    assert set(snap.stored) == {k(2)}
+
+
+def test_forget_emits_gone_and_leaves_the_snapshot() -> None:
+    hub = HubState()
+    hub.publish(report("a", 1, [1], full=True))
+    hub.publish(report("b", 1, [2], full=True))
+    hub.forget("a")
+    hub.forget("nobody")  # unknown: no report
+    reply = hub.poll(2)
+    assert len(reply.reports) == 1 and reply.cursor == 3
+    (gone,) = reply.reports
+    assert gone.gone and gone.replica_id == "a" and gone.stored == [] and gone.removed == []
+    assert [r.replica_id for r in hub.snapshot().reports] == ["b"]
+    hub.publish(report("a", 1, [5], full=True))  # a replica that comes back starts over
+    assert {r.replica_id for r in hub.snapshot().reports} == {"a", "b"}
+
+
+def test_wrong_version_rejected() -> None:
+    hub = HubState()
+    bad = msgspec.structs.replace(report("a", 1, [1], full=True), version=HUB_WIRE_VERSION + 1)
+    with pytest.raises(ValueError, match="version"):
+        hub.publish(bad)
+    assert hub.poll(0).reports == [] and hub.snapshot().reports == []
+
+
+def test_actor_body_speaks_msgpack() -> None:
+    actor = ClusterViewHub(max_log=8)
+    assert actor.ping() == "ok"
+    actor.publish_replica(msgspec.msgpack.encode(report("a", 1, [1, 2], full=True)))
+    with pytest.raises(msgspec.ValidationError):
+        actor.publish_replica(msgspec.msgpack.encode({"replica_id": "a"}))
+    reply = msgspec.msgpack.decode(actor.poll(0), type=PollReply)
+    assert reply.cursor == 1 and reply.reports[0].stored == [k(1), k(2)]
+    actor.forget_replica("a")
+    reply = msgspec.msgpack.decode(actor.poll(1), type=PollReply)
+    assert reply.reports[0].gone
+
+
+# -- HBM ledger ----------------------------------------------------------------------------------------------------
+def test_ledger_rejects_non_positive_capacity() -> None:
+    for cap in (0, -1):
+        with pytest.raises(ValueError, match="capacity_blocks"):
+            HbmPrefixLedger(cap)
+
+
+def test_ledger_is_a_bounded_lru_with_deltas() -> None:
+    led = HbmPrefixLedger(3)
+    led.touch([k(1), k(2)])
+    assert led.drain() == ([k(2), k(1)], [])
+    assert led.drain() == ([], [])
+    led.touch([k(1)])  # refreshes k1: k2 is now the least recent
+    led.touch([k(3), k(4)])
+    assert set(led.snapshot()) == {k(1), k(3), k(4)}
+    stored, removed = led.drain()
+    assert set(stored) == {k(3), k(4)} and removed == [k(2)]
+    led.touch([k(5), k(6), k(7), k(8)])  # more than the capacity at once: the prompt's tail k8 does not fit
+    assert set(led.snapshot()) == {k(5), k(6), k(7)}
+    stored, removed = led.drain()
+    assert set(stored) == {k(5), k(6), k(7)} and set(removed) == {k(1), k(3), k(4), k(8)}
+
+
+def test_ledger_evicts_a_chain_from_its_tail() -> None:
+    led = HbmPrefixLedger(4)
+    led.touch([k(1), k(2), k(3)])  # a prompt's chained keys, head first
+    led.touch([k(10), k(11)])
+    assert set(led.snapshot()) == {k(1), k(2), k(10), k(11)}  # the tail block k3 went, the head k1 stayed
+
+
+def test_ledger_nets_deltas_within_a_window() -> None:
+    led = HbmPrefixLedger(2)
+    led.touch([k(1), k(2)])
+    led.drain()
+    led.touch([k(3), k(4)])  # evicts k1, k2 (reported) ...
+    led.touch([k(1), k(5)])  # ... then k1 comes back, and k3, k4 (never reported) go again
+    stored, removed = led.drain()
+    assert not set(stored) & set(removed)
+    assert set(stored) == {k(1), k(5)} and set(removed) == {k(2), k(3), k(4)}
+    assert set(led.snapshot()) == {k(1), k(5)}
+
+
+def test_ledger_clear_removes_everything_including_unreported() -> None:
+    led = HbmPrefixLedger(8)
+    led.touch([k(1), k(2)])
+    led.drain()
+    led.touch([k(3)])
+    led.clear()
+    stored, removed = led.drain()
+    assert stored == [] and set(removed) == {k(1), k(2), k(3)} and led.snapshot() == []
+    led.touch([k(1)])
+    assert led.drain() == ([k(1)], [])
+
+
+# -- the whole path: ledgers -> hub -> a polling reader --------------------------------------------------------------
+class Reader:
+    """What an ingress does with poll replies (router.live_view applies the same rules)."""
+
+    def __init__(self) -> None:
+        self.cursor = 0
+        self.view: dict[str, set[bytes]] = {}
+        self.snapshots = 0
+
+    def apply(self, reply: PollReply) -> None:
+        if reply.snapshot:
+            self.view = {}
+            self.snapshots += 1
+        for r in reply.reports:
+            if r.gone:
+                self.view.pop(r.replica_id, None)
+                continue
+            keys = self.view.setdefault(r.replica_id, set())
+            if r.full:
+                keys.clear()
+            keys.difference_update(r.removed)
+            keys.update(r.stored)
+        self.cursor = reply.cursor
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_readers_converge_on_the_ledgers(seed: int) -> None:
+    rng = random.Random(seed)
+    hub = HubState(max_log=16)
+    ledgers: dict[str, HbmPrefixLedger] = {}
+    seqs: dict[str, int] = {}
+    readers = [Reader() for _ in range(3)]
+
+    def publish(rid: str) -> None:
+        led = ledgers[rid]
+        stored, removed = led.drain()
+        first = seqs.get(rid, 0) == 0
+        seqs[rid] = seqs.get(rid, 0) + 1
+        hub.publish(ReplicaReport(replica_id=rid, node_id="n", seq=seqs[rid], running=0, waiting=0,
+                                  stored=led.snapshot() if first else stored, removed=[] if first else removed,
+                                  full=first))
+
+    for step in range(600):
+        op = rng.random()
+        if op < 0.5 and ledgers:
+            rid = rng.choice(sorted(ledgers))
+            start = rng.randrange(40)
+            ledgers[rid].touch([k(start * 100 + j) for j in range(rng.randrange(1, 6))])
+        elif op < 0.55 and ledgers:
+            ledgers[rng.choice(sorted(ledgers))].clear()
+        elif op < 0.6:
+            rid = f"r{rng.randrange(5)}"
+            if rid not in ledgers:
+                ledgers[rid] = HbmPrefixLedger(rng.choice([3, 8, 20]))
+                seqs[rid] = 0
+        elif op < 0.62 and ledgers:
+            rid = rng.choice(sorted(ledgers))
+            del ledgers[rid]
+            hub.forget(rid)
+        elif ledgers:
+            publish(rng.choice(sorted(ledgers)))
+        for i, reader in enumerate(readers):  # readers poll at different rates; the slow ones fall off the log
+            if step % (1 + 7 * i) == 0:
+                reader.apply(hub.poll(reader.cursor, max_reports=5))
+    for rid in list(ledgers):
+        publish(rid)
+    for reader in readers:
+        for _ in range(200):
+            before = reader.cursor
+            reader.apply(hub.poll(reader.cursor, max_reports=5))
+            if reader.cursor == before:
+                break
+        assert reader.view == {rid: set(led.snapshot()) for rid, led in ledgers.items()}
+    assert readers[-1].snapshots > 0  # the slowest reader did resync from a snapshot
