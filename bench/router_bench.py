@@ -12,6 +12,9 @@ ingress hashes once per request). Each decision is acknowledged at once (steady 
 assignments piling up in the runner). The GC is frozen after the index is built, as a long-running router would
 after warm-up, so a full collection does not walk a million keys inside a decision.
 
+Every row also carries ``cpu_ref_us`` (best-of time of ``sum(range(1000))`` on this machine, ~7 µs on a modern
+desktop core) so runs on different or shared machines can be compared.
+
 Output: a JSON list of rows (``replicas``, ``indexed_blocks``, ``prompt_tokens``, ``decision_p50_us``,
 ``decision_p99_us``, ``hash_us`` and the lookup / rank split) to stdout with ``--json`` (or ``--out FILE``),
 else a table. Run it under the heavy lock: ``flock /tmp/kvstack-heavy.lock kvstack bench router --json``.
@@ -26,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+import timeit
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="1024,8192,32768,131072", help="prompt lengths in tokens")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM default 16)")
     parser.add_argument("--replicas-per-node", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=300, help="timed decisions per cell")
+    parser.add_argument("--iters", type=int, default=200, help="timed decisions per cell")
     parser.add_argument("--model", default="qwen3-14b")
     parser.add_argument("--gpu", default="h100-sxm5-80gb")
     parser.add_argument("--seed", type=int, default=0)
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     hash_us: dict[int, float] = {}
     for size in prompt_sizes:
         variants, times = [], []
-        for _ in range(4):
+        for _ in range(2):
             tokens = nprng.integers(0, 150_000, size=size, dtype=np.uint32)
             t0 = time.perf_counter_ns()
             keys = block_keys(ns, tokens, bs)
@@ -102,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         prompts[size] = variants
         hash_us[size] = statistics.median(times)
 
+    # This machine's speed, to compare runs across machines: best-of time of sum(range(1000)) (~7 µs on a
+    # modern desktop core with CPython 3.11; more on a shared VM).
+    cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
     rows: list[dict[str, Any]] = []
     for n_rep in replica_counts:
         n_nodes = max(2, -(-n_rep // args.replicas_per_node))
@@ -190,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
                     "hash_us": round(hash_us[size], 1),
                     "matched_blocks": matched,
                     "actions": dict(actions),
+                    "cpu_ref_us": round(cpu_ref_us, 1),
                 }
                 rows.append(row)
                 if not args.json:

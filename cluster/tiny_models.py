@@ -6,7 +6,10 @@ template), a ``config.json`` for ``Qwen3ForCausalLM`` (dense) or ``Qwen3NextForC
 full attention, dense MLP), and random bf16 weights saved as safetensors. A hybrid's last layer carries a small MoE (4 experts, top 2) because vLLM's Qwen3Next requires one; the
 other layers use a dense MLP. Everything is seeded: the same spec gives
 byte-identical files. Weights use untied embeddings and ``initializer_range`` 0.1 (tied / 0.02 weights make a random
-model repeat one token forever, which makes token-equality checks meaningless).
+model repeat one token forever, which makes token-equality checks meaningless). For the same reason the hybrid
+presets sharpen attention (q/k norm gain 4) and give the gated-delta-net layers long memory (decay rates
+U(0.001, 0.1)): with HF's defaults a random hybrid's next token depends on the last few tokens only, so wrong
+prefix KV or state would go unnoticed.
 
 Idempotent: the directory carries ``kvstack_tiny.json`` with the spec and its hash; when it matches, nothing is
 rebuilt. A directory holding something else is refused (never silently overwritten). Writes go to a temporary
@@ -25,7 +28,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -66,11 +69,13 @@ class TinySpec:
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     conv_kernel: int = 4
+    qk_norm_gain: float = 1.0  # q/k RMSNorm gain: > 1 sharpens attention so outputs depend on the whole context
+    linear_decay_min: float = 0.001  # qwen3-next: gated-delta-net decay rates A ~ U(min, max) (small = long memory)
+    linear_decay_max: float = 0.1
     moe_experts: int = 4  # qwen3-next only: experts of the one MoE layer (vLLM requires one)
     moe_top_k: int = 2
     initializer_range: float = 0.1
     seed: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -88,6 +93,8 @@ class TinySpec:
                     f"layers ({self.layers}) must be a multiple of full_attention_interval "
                     f"({self.full_attention_interval}) so the model ends with a full-attention layer"
                 )
+            if not 0 < self.linear_decay_min < self.linear_decay_max:
+                raise ValueError("need 0 < linear_decay_min < linear_decay_max")
             if not 0 < self.moe_top_k <= self.moe_experts:
                 raise ValueError("need 0 < moe_top_k <= moe_experts")
             if self.linear_value_heads % self.linear_key_heads:
@@ -106,12 +113,15 @@ class TinySpec:
         ]
 
 
-_PRESETS: dict[tuple[str, str], dict[str, int]] = {
+_PRESETS: dict[tuple[str, str], dict[str, int | float]] = {
     ("qwen3", "tiny"): {},
-    ("qwen3-next", "tiny"): {},
+    # Hybrid: sharp attention and long-memory linear layers, measured so that changing one token 170 positions back
+    # changes the greedy continuation (with HF defaults the tiny hybrid ignores everything but the last tokens).
+    ("qwen3-next", "tiny"): {"qk_norm_gain": 4.0},
     # Heavy: wider with GQA 16/4 so prefill of a few thousand tokens costs seconds on a CPU.
     ("qwen3", "heavy"): {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 3072},
     ("qwen3-next", "heavy"): {
+        "qk_norm_gain": 4.0,
         "layers": 8,
         "hidden": 1024,
         "heads": 16,
@@ -274,6 +284,12 @@ def _write_weights(spec: TinySpec, out_dir: Path, eos_id: int, pad_id: int) -> N
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=gen) * spec.initializer_range)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Qwen3 RMSNorm scales by w; Qwen3Next by (1 + w).
+                param.fill_(spec.qk_norm_gain if spec.arch == "qwen3" else spec.qk_norm_gain - 1.0)
+            elif name.endswith("A_log"):
+                rates = torch.rand(param.shape, generator=gen) * (spec.linear_decay_max - spec.linear_decay_min)
+                param.copy_((rates + spec.linear_decay_min).log())
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False).save_pretrained(str(out_dir))

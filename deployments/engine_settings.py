@@ -37,6 +37,8 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(default=16, gt=0)
     seed: int = 0
     omp_threads: int = Field(default=1, gt=0)
+    kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
+    cache_salt: str = ""
     kv_connector: ConnectorSettings | None = None
 
     def hbm_capacity_blocks(self) -> int:

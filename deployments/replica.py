@@ -8,9 +8,10 @@ Who calls what:
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
 
-The HBM view is the replica's own record of which prompt blocks it computed, bounded LRU at the engine's KV
-capacity in blocks; it is an estimate of vLLM's cache (vLLM may evict earlier under memory pressure), which is why
-the policy treats it as a prediction and the regret metric measures how wrong it was.
+The HBM view comes from vLLM's own KV cache events (``deployments.kv_events``): every block vLLM stores or evicts
+is re-keyed with kvstack's chained keys, so the router sees exactly what the engine holds. With events off
+(``EngineSettings.kv_events=False``) the replica falls back to recording the blocks of the prompts it served, an
+LRU bounded at the engine's KV capacity (an estimate; the regret metric measures how wrong it was).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -27,7 +29,8 @@ import msgspec
 
 from deployments.engine_settings import EngineSettings
 from router.hub import DEFAULT_HUB_NAME, ReplicaReport, get_or_create_hub
-from router.wire import GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version
+from deployments.kv_events import KeyTranslator, KvEventSubscriber
+from router.wire import GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root
 
 log = logging.getLogger("kvstack.replica")
 
@@ -44,6 +47,7 @@ class HbmPrefixLedger:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.capacity = capacity_blocks
+        self.lock = threading.Lock()  # the KV event thread and the event loop both touch the ledger
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._stored: dict[bytes, None] = {}
         self._removed: dict[bytes, None] = {}
@@ -60,6 +64,14 @@ class HbmPrefixLedger:
             old, _ = self._keys.popitem(last=False)
             self._stored.pop(old, None)
             self._removed[old] = None
+
+    def remove(self, keys: list[bytes]) -> None:
+        """The engine evicted these blocks (KV events)."""
+        for key in keys:
+            if key in self._keys:
+                del self._keys[key]
+                self._stored.pop(key, None)
+                self._removed[key] = None
 
     def clear(self) -> None:
         for key in self._keys:
@@ -96,7 +108,7 @@ def to_sampling_params(s: Sampling, *, stream: bool) -> Any:
     )
 
 
-def build_engine_args(engine: EngineSettings) -> Any:
+def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(
@@ -113,6 +125,10 @@ def build_engine_args(engine: EngineSettings) -> Any:
     )
     if engine.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+    if kv_events_port is not None:
+        from deployments.kv_events import events_config
+
+        kwargs["kv_events_config"] = events_config(kv_events_port)
     if engine.kv_connector is not None:
         from vllm.config import KVTransferConfig
 
@@ -138,11 +154,21 @@ class VLLMReplica:
         os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.omp_threads))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
-        started = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings))
-        self.startup_s = time.monotonic() - started
         capacity_blocks = max(1, self.settings.hbm_capacity_blocks())
         self.ledger = HbmPrefixLedger(capacity_blocks)
+        self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt)
+        self._events: KvEventSubscriber | None = None
+        events_port = None
+        if self.settings.kv_events:
+            from cluster.local_cluster import free_port
+
+            events_port = free_port()
+            translator = KeyTranslator(self.key_root, self.ledger.touch, self.ledger.remove, self.ledger.clear)
+            self._events = KvEventSubscriber(events_port, translator, self.ledger.lock)
+            self._events.start()
+        started = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port))
+        self.startup_s = time.monotonic() - started
         self.running = 0
         self.waiting = 0
         self._seq = 0
@@ -190,7 +216,9 @@ class VLLMReplica:
                 self.waiting -= 1
             else:
                 self.running -= 1
-            self.ledger.touch(list(request.block_keys))
+            if self._events is None:  # no engine events: record the prompt's blocks ourselves
+                with self.ledger.lock:
+                    self.ledger.touch(list(request.block_keys))
 
     @staticmethod
     def _logprobs(comp: Any, top_k: int) -> list[list[TokenLogprob]]:
@@ -207,12 +235,14 @@ class VLLMReplica:
     # -- control ---------------------------------------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
         ok = await self.engine.reset_prefix_cache()
-        self.ledger.clear()
+        with self.ledger.lock:
+            self.ledger.clear()
         return bool(ok) if ok is not None else True
 
     async def info(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
-                "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot())}
+                "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
+                "kv_events_skipped": self._events.translator.skipped if self._events else 0}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""
@@ -225,11 +255,13 @@ class VLLMReplica:
     async def _publish_loop(self) -> None:
         first = True
         while True:
-            stored, removed = self.ledger.drain()
+            with self.ledger.lock:
+                stored, removed = self.ledger.drain()
+                snapshot = self.ledger.snapshot() if first else []
             self._seq += 1
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
-                waiting=self.waiting, stored=self.ledger.snapshot() if first else stored,
+                waiting=self.waiting, stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(),
             )
             try:
@@ -243,6 +275,8 @@ class VLLMReplica:
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.cancel()
+        if getattr(self, "_events", None) is not None:
+            self._events.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

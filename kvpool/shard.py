@@ -452,22 +452,29 @@ def start_shards(
     """Start one shard per alive node (``config_for_node(node_id, node_ip)``), each hard-pinned to its node.
 
     ``actor_name(node_id)`` names each actor (in ``namespace``) so other processes find it
-    (``kvpool.shard_registry``). Waits until every shard answered ``info`` within ``ready_deadline_s``; on failure kills what it started and
-    raises ``ShardUnavailableError``.
+    (``kvpool.shard_registry``). Waits until every shard answered ``info`` within ``ready_deadline_s``; on failure
+    kills what it started and raises ``ShardUnavailableError``.
     """
     handles: list[ShardHandle] = []
-    for node in alive_nodes(include):
-        node_id, node_ip = node["NodeID"], node["NodeManagerAddress"]
-        cfg = config_for_node(node_id, node_ip)
-        named = {"name": actor_name(node_id), "namespace": namespace} if actor_name is not None else {}
-        actor = PoolShardActor.options(
-            num_cpus=0,
-            max_concurrency=max_concurrency,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-            **named,
-            **(actor_options or {}),
-        ).remote(_ENC.encode(cfg))
-        handles.append(ShardHandle(cfg.shard_id, node_id, node_ip, actor))
+    try:
+        for node in alive_nodes(include):
+            node_id, node_ip = node["NodeID"], node["NodeManagerAddress"]
+            cfg = config_for_node(node_id, node_ip)
+            named = {"name": actor_name(node_id), "namespace": namespace} if actor_name is not None else {}
+            actor = PoolShardActor.options(
+                num_cpus=0,
+                max_concurrency=max_concurrency,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                **named,
+                **(actor_options or {}),
+            ).remote(_ENC.encode(cfg))
+            handles.append(ShardHandle(cfg.shard_id, node_id, node_ip, actor))
+    except BaseException:
+        for h in handles:
+            ray.kill(h.actor, no_restart=True)
+        raise
+    if not handles:
+        raise ShardUnavailableError("no alive node passed the filter: no pool shard started")
     refs = [h.actor.info.remote() for h in handles]
     try:
         infos = [_decode(raw, ShardInfo) for raw in ray.get(refs, timeout=ready_deadline_s)]

@@ -213,6 +213,11 @@ class Calibrator:
             return hw
         return est.hardware()
 
+    def overhead_s(self, replica_id: str) -> float:
+        """The replica's fitted fixed per-request seconds (the prefill line's intercept; 0 until fitted)."""
+        est = self._mfu.get(replica_id)
+        return 0.0 if est is None or not est.line.ready else max(0.0, est.overhead_s)
+
     def tier_map(self, base: TierMap) -> TierMap:
         """``base`` with every tier class that has enough transfers replaced by its fitted spec."""
         updates: Mapping[str, TierSpec] = {

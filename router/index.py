@@ -24,8 +24,8 @@ import heapq
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
-from itertools import repeat
-from operator import and_
+from itertools import compress, repeat
+from operator import and_, attrgetter
 from typing import Literal
 
 from kvpool.events import EventBatch as ShardEventBatch
@@ -44,6 +44,8 @@ SourceKind = Literal["replica", "shard"]
 HolderTier = Literal["hbm", "dram", "ssd"]
 SUPPORTED_SHARD_EVENTS_VERSION = 1
 _MAX_STALE_BUFFER = 1 << 16  # buffered ops while waiting for a snapshot; beyond this, resync again
+_get_hb = attrgetter("hbm_prefix_blocks")
+_get_id = attrgetter("replica_id")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -251,16 +253,21 @@ class PrefixIndex:
         with ``hbm_prefix_blocks`` set from this index, and the pool hits (with each shard's queue delay)."""
         match = self.query(request.block_keys)
         hbm = match.hbm
-        out: Sequence[ReplicaState]
-        if hbm or any(r.hbm_prefix_blocks for r in replicas):
-            out = [
-                r
-                if hbm.get(r.replica_id, 0) == r.hbm_prefix_blocks
-                else dataclasses.replace(r, hbm_prefix_blocks=hbm.get(r.replica_id, 0))
-                for r in replicas
-            ]
-        else:
-            out = replicas
+        out: Sequence[ReplicaState] = replicas
+        stale_hbm = any(map(_get_hb, replicas))  # C loops: this runs on every request
+        if hbm or stale_hbm:
+            ids = list(map(_get_id, replicas))
+            fixed = list(replicas)
+            pos = dict(zip(ids, range(len(ids))))
+            if stale_hbm:  # values the caller left in: this index is the truth
+                for i in compress(range(len(fixed)), map(_get_hb, replicas)):
+                    if ids[i] not in hbm:
+                        fixed[i] = dataclasses.replace(fixed[i], hbm_prefix_blocks=0)
+            for rid, blocks in hbm.items():
+                i = pos.get(rid)
+                if i is not None and fixed[i].hbm_prefix_blocks != blocks:
+                    fixed[i] = dataclasses.replace(fixed[i], hbm_prefix_blocks=blocks)
+            out = fixed
         pool = match.pool
         if shard_queue_delay_s and pool:
             pool = tuple(

@@ -10,7 +10,8 @@ SPLIT and a replica → the request goes to that replica through the Serve handl
 the choice) → chunks stream back as SSE or are gathered → the first token's arrival is recorded against the
 prediction (regret) and fed to calibration.
 
-Bad input never reaches a replica: every client error is an OpenAI error object with a 4xx status
+Every response carries ``x-kvstack-action``, ``x-kvstack-replica`` and ``x-kvstack-router`` headers (what was
+decided, where it ran, which router decided). Bad input never reaches a replica: every client error is an OpenAI error object with a 4xx status
 (``router.openai_format.ApiError``), and the server keeps serving.
 """
 
@@ -49,6 +50,7 @@ class OpenAIIngress:
         self.settings = settings if isinstance(settings, IngressSettings) else IngressSettings.model_validate(settings)
         self.replicas = replicas
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
+        self.router_id = serve.get_replica_context().replica_id.unique_id
         self.view = LiveView.from_settings(self.settings)
         self.view.replica_handle = replicas
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
@@ -101,17 +103,20 @@ class OpenAIIngress:
         return gen, decision
 
     async def _timed(self, gen: Any, decision: Any, started: float) -> AsyncIterator[GenerateChunk]:
-        first = True
+        first_at: float | None = None
+        tokens = 0
         try:
             async for chunk in gen:
                 if chunk.error:
                     raise fmt.ApiError(500, f"replica error: {chunk.error}", type_="InternalServerError")
-                if first:
-                    first = False
-                    self.view.record_first_token(decision, time.monotonic() - started, chunk)
+                if first_at is None:
+                    first_at = time.monotonic()
+                    self.view.record_first_token(decision, first_at - started, chunk)
+                tokens += len(chunk.token_ids)
                 yield chunk
         finally:
-            self.view.request_done(decision)
+            tpot = (time.monotonic() - first_at) / (tokens - 1) if first_at is not None and tokens > 1 else None
+            self.view.request_done(decision, tpot)
 
     # -- routes ----------------------------------------------------------------------------------------------
     @app.get("/health")
@@ -177,20 +182,23 @@ class OpenAIIngress:
             rid = fmt.new_id("chatcmpl" if chat else "cmpl")
             gen, decision = await self._generate(rid, token_ids, sampling, bool(req.stream))
             chunks = self._timed(gen, decision, started)
+            headers = {"x-kvstack-action": decision.action, "x-kvstack-router": self.router_id,
+                       "x-kvstack-replica": decision.target_replica or ""}
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._sse(rid, model, chunks, chat, include_usage),
-                                         media_type="text/event-stream")
+                                         media_type="text/event-stream", headers=headers)
             choices: dict[int, fmt.ChoiceAccumulator] = {}
             cached = 0
             async for chunk in chunks:
                 choices.setdefault(chunk.index, fmt.ChoiceAccumulator()).add(chunk)
                 cached = max(cached, chunk.cached_tokens)
+                headers["x-kvstack-replica"] = chunk.replica_id  # where it actually ran
             if chat:
-                return JSONResponse(fmt.chat_response(rid, model, choices, len(token_ids), cached))
+                return JSONResponse(fmt.chat_response(rid, model, choices, len(token_ids), cached), headers=headers)
             echo = getattr(req, "echo", False) and isinstance(req.prompt, str)
             return JSONResponse(fmt.completion_response(rid, model, choices, len(token_ids), cached,
-                                                        req.prompt if echo else ""))
+                                                        req.prompt if echo else ""), headers=headers)
         except fmt.ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except Exception as exc:  # noqa: BLE001 - an internal failure is a 500 error object, never a crash

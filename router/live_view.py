@@ -22,7 +22,8 @@ from typing import Any
 import msgspec
 
 from configs import load_gpus, load_models, load_tiers, pick
-from kvpool.keys import Namespace, chain_keys
+from kvpool.keys import chain_keys
+from router.calibration import Calibrator
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
 from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind, ReplicaSnapshot
@@ -33,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.policies.base import ReplicaState, RouteRequest
 from router.policies.pricing import TierMap
 from router.policies.runner import PolicyRunner, make_policy
-from router.wire import FetchPlanMsg, GenerateChunk
+from router.wire import FetchPlanMsg, GenerateChunk, routing_root
 
 log = logging.getLogger("kvstack.router")
 
@@ -48,6 +49,7 @@ class ReplicaLoad:
     running: int
     waiting: int
     last_seen: float
+    mean_ttft_s: float = 0.0  # EWMA of observed TTFTs: what one queued request ahead costs, roughly
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +73,10 @@ class LiveView:
         self.audit = AuditLog(settings.decision_log_size)
         policy = make_policy(settings.policy, rng=rng, tier_map=tier_map)
         self.runner = PolicyRunner(policy, rng=rng, audit=self.audit, metrics=self.metrics)
+        self.calibrator = Calibrator(bw_util=settings.bw_util)
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
         self.loads: dict[str, ReplicaLoad] = {}
-        self.key_root = Namespace(settings.served_model_name, "kvstack-engine", settings.cache_salt).root()
+        self.key_root = routing_root(settings.served_model_name, settings.cache_salt)
         self._cursor = 0
         self._hub: Any = None
         self._shards: dict[str, Any] = {}  # shard id -> ShardRef
@@ -122,7 +125,9 @@ class LiveView:
                 self._forget(report.replica_id)
                 continue
             self._apply_report(report)
-            self.loads[report.replica_id] = ReplicaLoad(report.node_id, report.running, report.waiting, now)
+            prev = self.loads.get(report.replica_id)
+            self.loads[report.replica_id] = ReplicaLoad(report.node_id, report.running, report.waiting, now,
+                                                        prev.mean_ttft_s if prev else 0.0)
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
         self._cursor = reply.cursor
@@ -143,6 +148,7 @@ class LiveView:
         self.loads.pop(replica_id, None)
         self.index.remove_source("replica", replica_id)
         self.metrics.forget_replica(replica_id)
+        self.calibrator.forget_replica(replica_id)
 
     async def _sync_shards(self) -> None:
         from kvpool.events import EventBatch, ShardSnapshot
@@ -181,7 +187,8 @@ class LiveView:
         now = time.monotonic()
         replicas = [
             ReplicaState(replica_id=rid, node_id=load.node_id, running=load.running, waiting=load.waiting,
-                         queue_delay_s=0.0, hbm_prefix_blocks=0, hw=self.hardware)
+                         queue_delay_s=self.queue_delay_s(rid, load), hbm_prefix_blocks=0,
+                         hw=self.calibrator.hardware(rid, self.hardware))
             for rid, load in self.live_replicas(now).items()
         ]
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
@@ -194,13 +201,28 @@ class LiveView:
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
         return Routed(record, record.replica_id, str(record.action), plan, request_id), list(keys)
 
+    def queue_delay_s(self, replica_id: str, load: ReplicaLoad) -> float:
+        """Predicted wait before this request's prefill: the replica's fitted fixed overhead plus one mean TTFT per
+        request already waiting there (running requests share the batch with ours, so they do not count)."""
+        return self.calibrator.overhead_s(replica_id) + load.waiting * load.mean_ttft_s
+
     def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk) -> None:
+        """Actual TTFT: regret and prediction error (runner), MFU calibration, the replica's mean TTFT."""
         if routed.record is not None:
             self.runner.record_actual(routed.request_id, ttft_s)
+        replica_id = chunk.replica_id or (routed.target_replica or "")
+        if replica_id and chunk.prompt_tokens > 0 and ttft_s > 0:
+            self.calibrator.observe_prefill(replica_id, self.hardware, chunk.prompt_tokens,
+                                            min(chunk.cached_tokens, chunk.prompt_tokens), ttft_s)
+            load = self.loads.get(replica_id)
+            if load is not None:
+                load.mean_ttft_s = ttft_s if load.mean_ttft_s == 0 else 0.8 * load.mean_ttft_s + 0.2 * ttft_s
 
-    def request_done(self, routed: Routed) -> None:
+    def request_done(self, routed: Routed, tpot_s: float | None = None) -> None:
         if routed.record is not None:
             self.runner.acknowledge(routed.request_id)
+        if tpot_s is not None:
+            self.metrics.observe_tpot(self.runner.policy_name, tpot_s)
 
     def recent_decisions(self, limit: int) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(r) for r in self.audit.recent(limit)]

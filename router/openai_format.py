@@ -84,6 +84,8 @@ def validate(model_cls: type, body: dict[str, Any]) -> Any:
         raise ApiError(400, message, param=param, code="invalid_parameter") from None
     except (VLLMValidationError, ValueError) as exc:  # vLLM's "before" model validators raise these unwrapped
         raise _vllm_error(exc, getattr(model_cls, "model_fields", {})) from None
+    except (TypeError, AttributeError) as exc:  # a "before" validator tripped on a wrongly typed field
+        raise ApiError(400, f"invalid request body: {exc}", code="invalid_parameter") from None
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import msgspec
 
+from kvpool.keys import BlockKey, Namespace
+
 WIRE_VERSION = 1
+# Layout component of the routing namespace until the engine reports the fingerprint of the layout it registered.
+DEFAULT_LAYOUT_TAG = "kvstack-engine"
+
+
+def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprint: str = DEFAULT_LAYOUT_TAG
+                 ) -> BlockKey:
+    """The namespace root of the block keys the ingress computes and the replicas report (must agree)."""
+    return Namespace(served_model_name, layout_fingerprint, cache_salt).root()
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):

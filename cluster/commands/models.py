@@ -26,6 +26,7 @@ _SHAPE_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--linear-value-heads", "linear_value_heads", int),
     ("--seed", "seed", int),
     ("--initializer-range", "initializer_range", float),
+    ("--qk-norm-gain", "qk_norm_gain", float),
 )
 
 

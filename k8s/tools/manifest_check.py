@@ -130,12 +130,14 @@ class CrdSchemas:
 
     schemas: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     source: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    _validators: dict[tuple[str, str, str], Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, directory: Path) -> CrdSchemas:
         out = cls()
         for path in sorted(directory.glob("*.y*ml")):
-            for doc in yaml.safe_load_all(path.read_text()):
+            loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the KubeRay CRDs are ~1 MB each
+            for doc in yaml.load_all(path.read_text(), Loader=loader):
                 if not isinstance(doc, dict) or doc.get("kind") != "CustomResourceDefinition":
                     continue
                 spec = doc["spec"]
@@ -153,7 +155,9 @@ class CrdSchemas:
         key = (group, version, str(resource.get("kind")))
         if key not in self.schemas:
             return [Problem(where, "/apiVersion", f"no CRD version {version!r} of {key[2]} in the CRDs given")]
-        validator = _Validator(self.schemas[key], registry=_k8s_registry())
+        if key not in self._validators:
+            self._validators[key] = _Validator(self.schemas[key], registry=_k8s_registry())
+        validator = self._validators[key]
         return [_schema_problem(where, e) for e in sorted(validator.iter_errors(resource), key=lambda e: list(e.path))]
 
 
@@ -167,17 +171,28 @@ def _schema_problem(where: str, err: jsonschema.ValidationError) -> Problem:
 
 # -- core kinds ---------------------------------------------------------------------------------------------------
 
-def validate_core(resource: dict[str, Any], where: str) -> list[Problem]:
-    import kubernetes_validate
-    from kubernetes_validate.utils import SchemaNotFoundError
+@functools.lru_cache(maxsize=64)
+def _core_validator(api_version: str, kind: str) -> Any:
+    """kubernetes-validate's strict schema for a core kind (as ``kubernetes_validate.validate`` loads it), cached."""
+    import re
 
+    from kubernetes_validate.utils import schema_contents
+
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = schema_contents(f"kubernetes-json-schema/v{_schema_version()}-local-strict/{kind.lower()}-{api}.json",
+                             K8S_VERSION)
+    return jsonschema.Draft202012Validator(schema, registry=_k8s_registry())
+
+
+def validate_core(resource: dict[str, Any], where: str) -> list[Problem]:
+    """A core Kubernetes resource against the Kubernetes OpenAPI schema (unknown fields rejected)."""
     try:
-        kubernetes_validate.validate(resource, K8S_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        return [_schema_problem(where, exc)]
-    except SchemaNotFoundError as exc:
-        return [Problem(where, "/kind", exc.message)]
-    return []
+        validator = _core_validator(str(resource.get("apiVersion")), str(resource.get("kind")))
+    except FileNotFoundError:
+        return [Problem(where, "/kind", f"no Kubernetes {K8S_VERSION} schema for {resource.get('apiVersion')} "
+                                        f"{resource.get('kind')}")]
+    errors = sorted(validator.iter_errors(resource), key=lambda e: list(e.absolute_path))
+    return [_schema_problem(where, e) for e in errors]
 
 
 def validate_pod_template(template: dict[str, Any], where: str, path: str) -> list[Problem]:
@@ -195,12 +210,14 @@ def _ray_pod_templates(cluster: dict[str, Any], base: str) -> list[tuple[str, di
     return out
 
 
-def check_ray_service(res: dict[str, Any], crds: CrdSchemas, where: str) -> list[Problem]:
+def check_ray_service(res: dict[str, Any], crds: CrdSchemas, where: str,
+                      already: list[Problem] | None = None) -> list[Problem]:
+    """Everything beyond the RayService CRD schema (whose findings, ``already``, are not repeated)."""
     problems: list[Problem] = []
     spec = res.get("spec") or {}
     cluster = spec.get("rayClusterConfig") or {}
     base = "/spec/rayClusterConfig"
-    seen = {(p.path, p.message) for p in crds.validate(res, where)} if crds.has("ray.io", "RayService") else set()
+    seen = {(p.path, p.message) for p in already or []}
     if crds.has("ray.io", "RayCluster"):  # the embedded cluster spec must also be a valid RayCluster spec
         as_cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "check"}, "spec": cluster}
         for p in crds.validate(as_cluster, where):
@@ -247,15 +264,17 @@ def check_resources(resources: list[dict[str, Any]], crds: CrdSchemas, source: s
         where = f"{source} {res.get('kind')}/{(res.get('metadata') or {}).get('name')}"
         group = str(res.get("apiVersion", "")).rpartition("/")[0]
         kind = str(res.get("kind"))
+        schema_problems: list[Problem] = []
         if crds.has(group, kind):
-            problems += crds.validate(res, where)
+            schema_problems = crds.validate(res, where)
+            problems += schema_problems
         elif "." in group and not group.endswith(".k8s.io"):
             if kind not in monitoring_check.STRUCTURAL_KINDS:
                 problems.append(Problem(where, "/apiVersion", f"no CRD for {group} {kind} available to validate it"))
         else:
             problems += validate_core(res, where)
         if kind == "RayService":
-            problems += check_ray_service(res, crds, where)
+            problems += check_ray_service(res, crds, where, schema_problems)
         if kind in monitoring_check.STRUCTURAL_KINDS:
             problems += monitoring_check.check_structure(res, where)
     return problems

@@ -286,6 +286,7 @@ class NodeGroup:
     gpus: float
     gpu_limit: float
     memory: float | None
+    ephemeral_request: float
     object_store: float
     max_pods: int
     mounts: dict[str, dict[str, Any]]  # mountPath -> volume
@@ -303,6 +304,7 @@ def node_groups(ray_cluster_spec: dict[str, Any], base: str) -> list[NodeGroup]:
         containers = pod.get("containers") or [{}]
         main = containers[0]
         limits = (main.get("resources") or {}).get("limits") or {}
+        requests = (main.get("resources") or {}).get("requests") or {}
         params = {k: str(v) for k, v in (spec.get("rayStartParams") or {}).items()}
         cpu_default = parse_quantity(limits["cpu"]) if "cpu" in limits else 0.0
         gpu_limit = parse_quantity(limits.get(GPU_RESOURCE, 0))
@@ -315,6 +317,7 @@ def node_groups(ray_cluster_spec: dict[str, Any], base: str) -> list[NodeGroup]:
             gpus=float(params.get("num-gpus", gpu_limit)),
             gpu_limit=gpu_limit,
             memory=parse_quantity(limits["memory"]) if "memory" in limits else None,
+            ephemeral_request=parse_quantity(requests.get("ephemeral-storage", 0)),
             object_store=float(params.get("object-store-memory", 0)),
             max_pods=max_pods, mounts=mounts, ports=ports, start_params=params,
         ))
@@ -340,92 +343,132 @@ def _mount_for(group: NodeGroup, path: str) -> dict[str, Any] | None:
 def check_consistency(app: dict[str, Any], args: Any, ray_cluster_spec: dict[str, Any], where: str,
                       path: str, cluster_path: str) -> list[Problem]:
     """args vs the Serve overrides, and both vs the node groups the deployments can be placed on."""
-    problems: list[Problem] = []
-    p = lambda sub, msg: problems.append(Problem(where, f"{path}.{sub}", msg))  # noqa: E731
-
     replica, ingress = _deployment(app, REPLICA_DEPLOYMENT), _deployment(app, INGRESS_DEPLOYMENT)
+    opts = replica.get("ray_actor_options") or {}
+    rep_cpus = float(opts.get("num_cpus", args.replicas.num_cpus))
+    rep_gpus = float(opts.get("num_gpus", args.replicas.num_gpus))
+    ing_cpus = float((ingress.get("ray_actor_options") or {}).get("num_cpus", 0.0))  # unknown: assume anywhere
+    groups = node_groups(ray_cluster_spec, cluster_path)
+    hosts = [g for g in groups if g.cpus >= rep_cpus and g.gpus >= rep_gpus]
+    ing_hosts = [g for g in groups if g.cpus >= ing_cpus]
+    problems = _check_overrides(replica, ingress, args, where, path)
+    if not hosts:
+        problems.append(Problem(where, f"{path}.deployments[{REPLICA_DEPLOYMENT}]",
+                                f"no node group offers {rep_cpus} CPUs and {rep_gpus} GPUs per replica"))
+    problems += _check_placement(groups, hosts, ing_hosts, rep_gpus, args.engine.model_path, where)
+    if args.pool.enabled:
+        problems += _check_pool(hosts, args.pool, where)
+    problems += _check_autoscaling_room(hosts, args.replicas, rep_cpus, rep_gpus, where, path)
+    return problems
+
+
+def _check_overrides(replica: dict[str, Any], ingress: dict[str, Any], args: Any, where: str,
+                     path: str) -> list[Problem]:
+    """args and the per-deployment overrides must say the same thing (in Serve the override wins)."""
+    problems: list[Problem] = []
+    rep, ing = f"{path}.deployments[{REPLICA_DEPLOYMENT}]", f"{path}.deployments[{INGRESS_DEPLOYMENT}]"
     r = args.replicas
-    # args and the per-deployment overrides must say the same thing (the override wins in Serve).
     auto = args.serve_autoscaling_config()
+    if replica and ("autoscaling_config" in replica) != (auto is not None):
+        problems.append(Problem(where, rep, "autoscaling here and in args.replicas must both be on or both off"))
     if "autoscaling_config" in replica and auto is not None:
         override = replica["autoscaling_config"]
         for key, value in auto.items():
             if key in override and float(override[key]) != float(value):
-                p(f"deployments[{REPLICA_DEPLOYMENT}].autoscaling_config.{key}",
-                  f"{override[key]} but args.replicas.autoscaling_config.{key} is {value}")
-        for key in set(override) & set(type(r.autoscaling_config).model_fields) - set(auto):
-            p(f"deployments[{REPLICA_DEPLOYMENT}].autoscaling_config.{key}", "set here but not in args")
-    if ("autoscaling_config" in replica) != (auto is not None) and replica:
-        p(f"deployments[{REPLICA_DEPLOYMENT}]", "autoscaling here and in args.replicas must both be on or both off")
+                problems.append(Problem(where, f"{rep}.autoscaling_config.{key}",
+                                        f"{override[key]} but args.replicas.autoscaling_config.{key} is {value}"))
+        for key in sorted(set(override) & set(type(r.autoscaling_config).model_fields) - set(auto)):
+            problems.append(Problem(where, f"{rep}.autoscaling_config.{key}", "set here but not in args"))
     if "num_replicas" in replica and r.num_replicas is not None and replica["num_replicas"] != r.num_replicas:
-        p(f"deployments[{REPLICA_DEPLOYMENT}].num_replicas", f"differs from args.replicas.num_replicas ({r.num_replicas})")
+        problems.append(Problem(where, f"{rep}.num_replicas", f"differs from args.replicas.num_replicas ({r.num_replicas})"))
     if "max_ongoing_requests" in replica and replica["max_ongoing_requests"] != r.max_ongoing_requests:
-        p(f"deployments[{REPLICA_DEPLOYMENT}].max_ongoing_requests",
-          f"differs from args.replicas.max_ongoing_requests ({r.max_ongoing_requests})")
+        problems.append(Problem(where, f"{rep}.max_ongoing_requests",
+                                f"differs from args.replicas.max_ongoing_requests ({r.max_ongoing_requests})"))
     opts = replica.get("ray_actor_options") or {}
     for key, value in args.serve_ray_actor_options().items():
         if key in opts and float(opts[key]) != float(value):
-            p(f"deployments[{REPLICA_DEPLOYMENT}].ray_actor_options.{key}", f"{opts[key]} but args.replicas.{key} is {value}")
+            problems.append(Problem(where, f"{rep}.ray_actor_options.{key}", f"{opts[key]} but args.replicas.{key} is {value}"))
     if "num_replicas" in ingress and ingress["num_replicas"] != args.ingress.num_replicas:
-        p(f"deployments[{INGRESS_DEPLOYMENT}].num_replicas",
-          f"differs from args.ingress.num_replicas ({args.ingress.num_replicas})")
+        problems.append(Problem(where, f"{ing}.num_replicas",
+                                f"differs from args.ingress.num_replicas ({args.ingress.num_replicas})"))
+    return problems
 
-    groups = node_groups(ray_cluster_spec, cluster_path)
-    rep_cpus = float(opts.get("num_cpus", r.num_cpus))
-    rep_gpus = float(opts.get("num_gpus", r.num_gpus))
-    ing_cpus = float((ingress.get("ray_actor_options") or {}).get("num_cpus", 0.0))  # unknown: assume anywhere
-    hosts = [g for g in groups if g.cpus >= rep_cpus and g.gpus >= rep_gpus]
-    ing_hosts = [g for g in groups if g.cpus >= ing_cpus]
-    if not hosts:
-        p(f"deployments[{REPLICA_DEPLOYMENT}]", f"no node group offers {rep_cpus} CPUs and {rep_gpus} GPUs per replica")
-    model_path = args.engine.model_path
+
+def _check_placement(groups: list[NodeGroup], hosts: list[NodeGroup], ing_hosts: list[NodeGroup], rep_gpus: float,
+                     model_path: str, where: str) -> list[Problem]:
+    """The model is mounted wherever replicas or routers can run; GPUs are requested exactly where they are used."""
+    problems: list[Problem] = []
     for g in {g.name: g for g in hosts + ing_hosts}.values():
         if _mount_for(g, model_path) is None:
             who = "replicas" if g in hosts else "ingress replicas (they load the tokenizer)"
-            problems.append(Problem(where, f"{g.path}", f"{who} can run here but engine.model_path {model_path} is "
-                                    "not on a mounted volume"))
+            problems.append(Problem(where, g.path, f"{who} can run here but engine.model_path {model_path} is not on "
+                                    "a mounted volume"))
     for g in groups:
-        where_g = g.path
         if rep_gpus > 0 and g in hosts:
             if g.gpu_limit <= 0:
-                problems.append(Problem(where, where_g, f"replicas need {rep_gpus} GPU(s) but the container has no "
+                problems.append(Problem(where, g.path, f"replicas need {rep_gpus:g} GPU(s) but the container has no "
                                         f"{GPU_RESOURCE} limit"))
             elif "num-gpus" in g.start_params and float(g.start_params["num-gpus"]) != g.gpu_limit:
-                problems.append(Problem(where, f"{where_g}/rayStartParams/num-gpus",
+                problems.append(Problem(where, f"{g.path}/rayStartParams/num-gpus",
                                         f"{g.start_params['num-gpus']} but the container's {GPU_RESOURCE} limit is "
                                         f"{g.gpu_limit:g}"))
         if rep_gpus == 0 and g.gpu_limit > 0:
-            problems.append(Problem(where, where_g, f"replicas use no GPU but the pod requests {g.gpu_limit:g} {GPU_RESOURCE}"))
-    # The KV pool shard lives on every node that runs replicas: DRAM arena, SSD volume, metrics port.
-    pool = args.pool
-    if pool.enabled:
-        for g in hosts:
-            if g.memory is not None and g.memory < pool.dram_bytes + g.object_store:
-                problems.append(Problem(where, f"{g.path}/template/spec/containers/0/resources/limits/memory",
-                                        f"{g.memory / 2**30:.1f} GiB cannot hold pool.dram_bytes "
-                                        f"({pool.dram_bytes / 2**30:.1f} GiB) + object-store-memory "
-                                        f"({g.object_store / 2**30:.1f} GiB)"))
-            if pool.ssd_bytes > 0 and pool.ssd_dir:
-                volume = _mount_for(g, pool.ssd_dir)
-                if volume is None:
-                    problems.append(Problem(where, g.path, f"pool.ssd_dir {pool.ssd_dir} is not on a mounted volume"))
-                elif "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
-                    limit = volume["emptyDir"].get("sizeLimit")
-                    if limit is not None and parse_quantity(limit) < pool.ssd_bytes:
-                        problems.append(Problem(where, g.path, f"SSD volume {volume.get('name')} sizeLimit {limit} < "
-                                                f"pool.ssd_bytes {pool.ssd_bytes}"))
-                elif not ({"emptyDir", "hostPath", "persistentVolumeClaim", "ephemeral"} & set(volume)):
-                    problems.append(Problem(where, g.path, f"SSD volume {volume.get('name')} is not a local disk volume"))
-            if pool.metrics_port and pool.metrics_port not in g.ports.values():
-                problems.append(Problem(where, g.path, f"pool.metrics_port {pool.metrics_port} is not a container port"))
-    # Serve autoscaling may ask for max_replicas: the Ray autoscaler must be able to add enough pods for them.
-    if r.autoscaling_config is not None:
-        n = r.autoscaling_config.max_replicas
-        if rep_gpus > 0:
-            room = sum(int(g.gpus // rep_gpus) * g.max_pods for g in hosts)
-        else:
-            room = sum(int(g.cpus // rep_cpus) * g.max_pods for g in hosts) if rep_cpus > 0 else n
-        if room < n:
-            p(f"args.replicas.autoscaling_config.max_replicas",
-              f"{n} replicas, but the worker groups fit at most {room} at their maxReplicas")
+            problems.append(Problem(where, g.path, f"replicas use no GPU but the pod requests {g.gpu_limit:g} "
+                                    f"{GPU_RESOURCE}"))
     return problems
+
+
+def _check_pool(hosts: list[NodeGroup], pool: Any, where: str) -> list[Problem]:
+    """Each node that runs replicas has a shard: its DRAM arena, SSD volume and metrics port must fit the pod."""
+    problems: list[Problem] = []
+    for g in hosts:
+        if g.memory is not None and g.memory < pool.dram_bytes + g.object_store:
+            problems.append(Problem(where, f"{g.path}/template/spec/containers/0/resources/limits/memory",
+                                    f"{g.memory / 2**30:.1f} GiB cannot hold pool.dram_bytes "
+                                    f"({pool.dram_bytes / 2**30:.1f} GiB) + object-store-memory "
+                                    f"({g.object_store / 2**30:.1f} GiB)"))
+        if pool.ssd_bytes > 0 and pool.ssd_dir:
+            problems += _check_ssd_volume(g, pool, where)
+        if pool.metrics_port and pool.metrics_port not in g.ports.values():
+            problems.append(Problem(where, g.path, f"pool.metrics_port {pool.metrics_port} is not a container port"))
+    return problems
+
+
+def _check_ssd_volume(g: NodeGroup, pool: Any, where: str) -> list[Problem]:
+    volume = _mount_for(g, pool.ssd_dir)
+    if volume is None:
+        return [Problem(where, g.path, f"pool.ssd_dir {pool.ssd_dir} is not on a mounted volume")]
+    if "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+        problems = []
+        limit = volume["emptyDir"].get("sizeLimit")
+        if limit is not None and parse_quantity(limit) < pool.ssd_bytes:
+            problems.append(Problem(where, g.path, f"SSD volume {volume.get('name')} sizeLimit {limit} < "
+                                    f"pool.ssd_bytes {pool.ssd_bytes}"))
+        if g.ephemeral_request < pool.ssd_bytes:  # the slab is preallocated in full when the shard starts
+            problems.append(Problem(where, f"{g.path}/template/spec/containers/0/resources/requests",
+                                    f"ephemeral-storage request {g.ephemeral_request / 2**30:.1f} GiB < pool.ssd_bytes "
+                                    f"on the emptyDir ({pool.ssd_bytes / 2**30:.1f} GiB): the scheduler may pick a "
+                                    "node without room for the SSD tier"))
+        return problems
+    if not ({"hostPath", "persistentVolumeClaim", "ephemeral"} & set(volume)):
+        return [Problem(where, g.path, f"SSD volume {volume.get('name')} is not a disk volume (emptyDir on disk, "
+                                       "hostPath, persistentVolumeClaim or ephemeral)")]
+    return []
+
+
+def _check_autoscaling_room(hosts: list[NodeGroup], r: Any, rep_cpus: float, rep_gpus: float, where: str,
+                            path: str) -> list[Problem]:
+    """Serve may ask for max_replicas: the Ray autoscaler must be able to add enough pods to hold them."""
+    if r.autoscaling_config is None:
+        return []
+    n = r.autoscaling_config.max_replicas
+    if rep_gpus > 0:
+        room = sum(int(g.gpus // rep_gpus) * g.max_pods for g in hosts)
+    elif rep_cpus > 0:
+        room = sum(int(g.cpus // rep_cpus) * g.max_pods for g in hosts)
+    else:
+        return []
+    if room < n:
+        return [Problem(where, f"{path}.args.replicas.autoscaling_config.max_replicas",
+                        f"{n} replicas, but the worker groups fit at most {room} at their maxReplicas")]
+    return []

@@ -17,7 +17,8 @@ request. SPLIT is priced on each of those fetch options and counts only when it 
 action (HOLDER / FETCH / RECOMPUTE) by ``split_min_gain`` (default 15%: overlapping compute with a transfer has
 costs the model does not see and needs engine support, so a near-tie goes to the plain action). The formulas are ``router.cost``'s (see ``router.policies.pricing``).
 
-Ranking: the ``max_candidates`` cheapest replicas (each with its best action), plus the best candidate of every
+Ranking: the cheapest replicas (each with its best action) within ``max(window_abs_s, window_rel · best)`` of the
+best, at most ``max_candidates`` (the runner's tie window must be narrower), plus the best candidate of every
 other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected RNG)
 and ``tie_break`` lets the runner pick among near-ties, so several routers do not herd onto one replica.
 """
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from operator import attrgetter, itemgetter
+from itertools import compress
+from operator import add, attrgetter, itemgetter
 from typing import ClassVar
 
 from router.cost import GB
@@ -50,6 +52,11 @@ _INF = float("inf")
 _RECOMPUTE_DESC = (_RECOMPUTE, -1, 0, 0, 0)
 _by_ttft = attrgetter("predicted_ttft_s")
 _first = itemgetter(0)
+_get_q = attrgetter("queue_delay_s")
+_get_hb = attrgetter("hbm_prefix_blocks")
+_get_node = attrgetter("node_id")
+_get_hw = attrgetter("hw")
+_get_cost = attrgetter("cost")
 
 # desc = (action code, hit index or -1, fetch start block, fetch end block, reused tokens)
 Desc = tuple[int, int, int, int, int]
@@ -147,6 +154,8 @@ class CostBased(RoutingPolicy):
         max_candidates: int = 8,
         allow_split: bool = True,
         split_min_gain: float = 0.15,
+        window_rel: float = 0.05,
+        window_abs_s: float = 0.002,
     ) -> None:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
@@ -158,6 +167,10 @@ class CostBased(RoutingPolicy):
         self.max_candidates = max_candidates
         self.allow_split = allow_split
         self.split_min_gain = split_min_gain
+        if window_rel < 0 or window_abs_s < 0:
+            raise ValueError(f"candidate window must be >= 0, got {window_rel}, {window_abs_s}")
+        self.window_rel = window_rel
+        self.window_abs_s = window_abs_s
 
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
         n = len(cluster.replicas)
@@ -175,72 +188,110 @@ class CostBased(RoutingPolicy):
                 hits.append((h, p))
         rs = list(cluster.replicas)
         if self._rng is not None and n > 1:
-            s = self._rng.randrange(n)
+            s = int(self._rng.random() * n)
             rs = rs[s:] + rs[:s]
-
         split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
-        groups: dict[int, _Group] = {}
-        costs = [0.0] * n
-        descs: list[Desc] = [_RECOMPUTE_DESC] * n
+
+        # Column views of the replicas (C loops), then one class per (hardware, node) for replicas without an
+        # HBM prefix: every such replica costs its queue plus its class's precomputed best.
+        qs = list(map(_get_q, rs))
+        hbs = list(map(_get_hb, rs))
+        nodes = list(map(_get_node, rs))
+        hws = list(map(_get_hw, rs))
+        hw0 = hws[0]
+        groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split)}
+        cls_map: dict[object, _Class]
+        if hws.count(hw0) == n:
+            g0 = groups[id(hw0)]
+            node_set = set(nodes)
+            cls_map = dict.fromkeys(node_set, g0.fast)
+            for nd in node_set.intersection(g0.local):
+                cls_map[nd] = g0.node_class(nd)
+            cls_list = list(map(cls_map.__getitem__, nodes))
+        else:
+            keys = list(zip(map(id, hws), nodes))
+            cls_map = {}
+            for k, hw in zip(keys, hws):
+                if k not in cls_map:
+                    g = groups.get(k[0])
+                    if g is None:
+                        g = groups[k[0]] = _Group(pricer.coeffs(hw), prompt, bs, hits, split)
+                    cls_map[k] = g.node_class(k[1])
+            cls_list = list(map(cls_map.__getitem__, keys))
+        costs = list(map(add, qs, map(_get_cost, cls_list)))
+
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
         act_desc: list[Desc] = [_RECOMPUTE_DESC] * 4
-        last_hw = rs[0].hw
-        g = groups[id(last_hw)] = _Group(pricer.coeffs(last_hw), prompt, bs, hits, split)
-        classes = g.classes
-        for i in range(n):
-            r = rs[i]
-            if r.hw is not last_hw:
-                last_hw = r.hw
-                g = groups.get(id(last_hw))  # type: ignore[assignment]
-                if g is None:
-                    g = groups[id(last_hw)] = _Group(pricer.coeffs(last_hw), prompt, bs, hits, split)
-                classes = g.classes
-            q = r.queue_delay_s
-            hb = r.hbm_prefix_blocks
-            if hb <= 0 or max_blocks == 0:
-                c = classes.get(r.node_id)
-                if c is None:
-                    c = g.node_class(r.node_id)
-                costs[i] = q + c.cost
-                descs[i] = c.desc
-                if q < c.min_q:
-                    c.min_q, c.min_i = q, i
-                continue
-            # This replica holds a prefix in HBM: price it on its own.
-            best, bd = _INF, _RECOMPUTE_DESC
-            for t, d in g.options(hb if hb < max_blocks else max_blocks, r.node_id):
-                t += q
-                if t < act_cost[d[0]]:
-                    act_cost[d[0]], act_at[d[0]], act_desc[d[0]] = t, i, d
-                if t < best:
-                    best, bd = t, d
-            costs[i] = best
-            descs[i] = bd
-        for g in groups.values():
-            for c in {id(c): c for c in (g.fast, *g.classes.values())}.values():
-                if c.min_i < 0:
+        # Replicas holding a prefix in HBM: priced one by one.
+        special: dict[int, Desc] = {}
+        if max_blocks > 0 and any(hbs):
+            for i in compress(range(n), hbs):
+                hb = hbs[i]
+                if hb <= 0:
                     continue
-                for t, d in c.acts:
-                    t += c.min_q
-                    if t < act_cost[d[0]]:
-                        act_cost[d[0]], act_at[d[0]], act_desc[d[0]] = t, c.min_i, d
+                q = qs[i]
+                best, bd = _INF, _RECOMPUTE_DESC
+                for t, d in groups[id(hws[i])].options(hb if hb < max_blocks else max_blocks, nodes[i]):
+                    t += q
+                    a = d[0]
+                    if t < act_cost[a]:
+                        act_cost[a], act_at[a], act_desc[a] = t, i, d
+                    if t < best:
+                        best, bd = t, d
+                costs[i] = best
+                special[i] = bd
+        # The best of every action among the class-priced replicas: each class's least-queued member.
+        distinct = list({id(c): c for c in cls_map.values()}.values())
+        if len(distinct) == 1 and not special:
+            firsts = [(min(range(n), key=qs.__getitem__), distinct[0])]
+        else:
+            firsts = []
+            waiting = {id(c) for c in distinct}
+            for i in sorted(range(n), key=qs.__getitem__):
+                if i in special:
+                    continue
+                c = cls_list[i]
+                if id(c) in waiting:
+                    waiting.discard(id(c))
+                    firsts.append((i, c))
+                    if not waiting:
+                        break
+        for i, c in firsts:
+            q = qs[i]
+            for t, d in c.acts:
+                t += q
+                a = d[0]
+                if t < act_cost[a]:
+                    act_cost[a], act_at[a], act_desc[a] = t, i, d
 
-        top = sorted(range(n), key=costs.__getitem__)[: self.max_candidates]
-        chosen = {(i, descs[i][0]) for i in top}
-        cands = [_candidate(rs[i], descs[i], costs[i], hits) for i in top]
+        # Candidates: the cheapest replicas within the window of the best (at most max_candidates), then the best
+        # of each other action.
+        order = sorted(range(n), key=costs.__getitem__)
+        first = order[0]
+        best = costs[first]
+        limit = best + max(self.window_abs_s, self.window_rel * best)
+        top = [first]
+        for i in order[1 : self.max_candidates]:
+            if costs[i] > limit:
+                break
+            top.append(i)
+
+        def desc(i: int) -> Desc:
+            d = special.get(i)
+            return d if d is not None else cls_list[i].desc
+
+        chosen = {(i, desc(i)[0]) for i in top}
+        cands = [_candidate(rs[i], desc(i), costs[i], hits) for i in top]
         for a in range(4):
             i = act_at[a]
             if i >= 0 and (i, a) not in chosen:
                 cands.append(_candidate(rs[i], act_desc[a], act_cost[a], hits))
         cands.sort(key=_by_ttft)
-        first = top[0]
-        reason, extra = _explain(rs[first], descs[first], costs[first], groups[id(rs[first].hw)], prompt, bs, hits,
+        reason, extra = _explain(rs[first], desc(first), best, groups[id(hws[first])], prompt, bs, hits,
                                  pricer.require_tiers(self.name))
-        alts = ", ".join(f"{_ACTIONS[a]} {rs[act_at[a]].replica_id} {act_cost[a]:.4f}s" for a in range(4)
-                         if act_at[a] >= 0)
-        return Ranking(cands, reason=f"{reason}; best per action: {alts}", extra=extra)
+        return Ranking(cands, reason=reason, extra=extra)
 
 
 def _candidate(r: ReplicaState, d: Desc, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:

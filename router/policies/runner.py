@@ -28,7 +28,8 @@ import dataclasses
 import inspect
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from router.decision import AuditLog, DecisionRecord
@@ -265,8 +266,11 @@ class PolicyRunner:
         return ClusterSnapshot(replicas, snapshot.pool_hits)
 
 
-def _find(replicas: Any, replica_id: str) -> ReplicaState | None:
-    for r in replicas:
-        if r.replica_id == replica_id:
-            return r
-    return None
+_get_id = attrgetter("replica_id")
+
+
+def _find(replicas: Sequence[ReplicaState], replica_id: str) -> ReplicaState | None:
+    try:
+        return replicas[list(map(_get_id, replicas)).index(replica_id)]  # C loops: this runs on every decision
+    except ValueError:
+        return None

@@ -42,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
         "--set", f"app.engine.model_path={REPO / '.kvstack/models/tiny-qwen3'}",
         "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
+        "--set", "app.ingress.num_replicas=2",  # two routers: the anti-herding test needs them
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -122,6 +123,25 @@ def test_second_turn_reuses_the_holder(server, client) -> None:
     last = decisions[-1]
     assert last["action"] in ("holder", "fetch", "split"), last
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
+
+
+def test_two_routers_do_not_herd(server) -> None:
+    """Fresh prompts arriving together through two routers spread over both vLLM replicas."""
+    import concurrent.futures
+
+    def one(i: int) -> httpx.Response:
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": f"unrelated question number {i} " + "x" * (i % 7)}]}
+        return httpx.post(server["base"] + "/chat/completions", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(16)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    replicas = [r.headers["x-kvstack-replica"] for r in responses]
+    routers = {r.headers["x-kvstack-router"] for r in responses}
+    assert len(routers) == 2, "both router replicas served requests"
+    counts = sorted(replicas.count(x) for x in set(replicas))
+    assert len(counts) == 2 and counts[0] >= 4, f"requests piled onto one replica: {counts}"
 
 
 def test_status_lists_nodes_replicas_shards(server) -> None:

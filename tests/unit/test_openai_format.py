@@ -391,3 +391,23 @@ def test_replica_logprob_rows_carry_the_top_k_including_the_sampled_token() -> N
     comp = fmt.completion_logprobs(rows)
     assert comp is not None and comp["top_logprobs"] == [{"a": -0.1, "b": -2.0, "c": -3.0},
                                                          {"x": -0.2, "y": -1.0, "z": -2.5}]
+
+
+# -- no body crashes the parse path: every field with a wrong-typed value is a 400 ---------------------------------
+WRONG_VALUES = ["x", "5", -1, 0, 10**12, 1.5, None, [], ["x"], {}, {"a": 1}, True, [1, 2]]
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_wrong_typed_fields_are_400_never_a_crash(chat_cls: type, completion_cls: type, chat: bool) -> None:
+    cls = chat_cls if chat else completion_cls
+    base: dict[str, Any] = {"model": "m", "messages": USER} if chat else {"model": "m", "prompt": "hi"}
+    crashes = []
+    for name in cls.model_fields:
+        for value in WRONG_VALUES:
+            try:
+                ingest(cls, {**base, name: value})
+            except fmt.ApiError as err:
+                assert err.status == 400
+            except Exception as exc:  # noqa: BLE001 - what the test is looking for
+                crashes.append((name, value, repr(exc)[:120]))
+    assert crashes == []

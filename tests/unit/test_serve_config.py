@@ -52,10 +52,12 @@ def test_gpu_config_loads() -> None:
 def test_relative_model_path_resolves_against_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = local_raw()
     raw["app"]["engine"]["model_path"] = "models/m"
-    path = write(tmp_path / "cfgdir" if (tmp_path / "cfgdir").mkdir() is None else tmp_path, raw)
+    (tmp_path / "cfgdir").mkdir()
+    path = write(tmp_path / "cfgdir", raw)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
+    # relative to where kvstack runs (as documented), not to the config file's folder
     assert load_serve_config(path).app.engine.model_path == str(work / "models" / "m")
 
 
@@ -152,10 +154,11 @@ def test_build_app_from_the_local_app_section() -> None:
     assert not ray.is_initialized()
     ingress = app._bound_deployment
     assert ingress.name == INGRESS_DEPLOYMENT
-    replicas = ingress.args[0]
-    assert replicas._deployment.name == REPLICA_DEPLOYMENT
-    assert replicas._deployment.num_replicas == 2
-    settings = ingress.args[1]
+    replicas, settings = ingress.init_args
+    assert isinstance(replicas, serve.Application)
+    assert replicas._bound_deployment.name == REPLICA_DEPLOYMENT
+    assert replicas._bound_deployment.num_replicas == 2
+    assert replicas._bound_deployment.init_args[0].model_path.endswith("tiny-qwen3")
     assert settings.served_model_name == "tiny-qwen3" and settings.policy == "cost_based"
 
 

@@ -132,6 +132,14 @@ def test_cursor_from_the_future_gets_a_snapshot() -> None:
     assert reply.snapshot and reply.cursor == 1 and [r.replica_id for r in reply.reports] == ["a"]
 
 
+def test_negative_cursor_asks_for_a_snapshot() -> None:
+    hub = HubState()  # router.live_view polls with -1 to force a resync
+    assert hub.poll(-1).snapshot
+    hub.publish(report("a", 1, [1], full=True))
+    reply = hub.poll(-1)
+    assert reply.snapshot and reply.cursor == 1 and reply.reports[0].stored == [k(1)]
+
+
 def test_full_report_replaces_the_key_set() -> None:
     hub = HubState(max_log=1)
     hub.publish(report("a", 1, [1, 2, 3], full=True))

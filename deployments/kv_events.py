@@ -1,0 +1,117 @@
+"""HBM prefix events: vLLM's own KV cache events (ZMQ) turned into kvstack block keys for the router.
+
+Who calls what: ``deployments.replica.VLLMReplica`` starts the engine with a ``KVEventsConfig`` publishing on
+``tcp://127.0.0.1:<port>`` (``events_config``) and runs a ``KvEventSubscriber`` thread next to it. vLLM publishes
+``BlockStored`` (its block hashes, the parent hash, the blocks' token ids), ``BlockRemoved`` and
+``AllBlocksCleared`` whenever its prefix cache changes. The subscriber re-chains the token ids with
+``kvpool.keys.chain_keys`` from the parent's kvstack key (or the namespace root for a first block), so the keys are
+exactly the ones the ingress computes for a prompt, and feeds them to the ``HbmPrefixLedger`` that the replica
+reports to the hub. A stored block whose parent it never saw (events lost) is skipped: under-reporting costs a
+missed HOLDER, never a wrong one. Every wait is bounded (poll timeout) so ``stop()`` returns promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvpool.keys import BlockKey, chain_keys
+
+log = logging.getLogger("kvstack.replica.kv_events")
+
+
+def events_config(port: int, topic: str = "kvstack") -> Any:
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+                          topic=topic)
+
+
+class KeyTranslator:
+    """vLLM block hash → kvstack key, from the stream of vLLM events (pure; unit-tested without an engine)."""
+
+    def __init__(self, root: BlockKey, on_stored: Callable[[list[bytes]], None],
+                 on_removed: Callable[[list[bytes]], None], on_cleared: Callable[[], None]) -> None:
+        self.root = root
+        self._keys: dict[Any, bytes] = {}
+        self._on_stored, self._on_removed, self._on_cleared = on_stored, on_removed, on_cleared
+        self.skipped = 0
+
+    def stored(self, block_hashes: list[Any], parent: Any | None, token_ids: list[int], block_size: int) -> None:
+        if parent is None:
+            prev = self.root
+        elif parent in self._keys:
+            prev = BlockKey(self._keys[parent])
+        else:
+            self.skipped += len(block_hashes)
+            return
+        keys = chain_keys(prev, token_ids, block_size, limit=len(block_hashes))
+        for h, k in zip(block_hashes, keys, strict=False):
+            self._keys[h] = bytes(k)
+        self._on_stored([bytes(k) for k in keys])
+
+    def removed(self, block_hashes: list[Any]) -> None:
+        gone = [self._keys.pop(h) for h in block_hashes if h in self._keys]
+        if gone:
+            self._on_removed(gone)
+
+    def cleared(self) -> None:
+        self._keys.clear()
+        self._on_cleared()
+
+    def apply(self, event: Any) -> None:
+        name = type(event).__name__
+        if name == "BlockStored":
+            if getattr(event, "group_idx", None) not in (None, 0):
+                return  # hybrid models: the full-attention group's events are the prefix; others repeat it
+            self.stored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size)
+        elif name == "BlockRemoved":
+            if getattr(event, "group_idx", None) not in (None, 0):
+                return
+            self.removed(list(event.block_hashes))
+        elif name == "AllBlocksCleared":
+            self.cleared()
+
+
+class KvEventSubscriber(threading.Thread):
+    """Subscribes to the engine's ZMQ publisher and feeds a ``KeyTranslator`` under ``lock``."""
+
+    def __init__(self, port: int, translator: KeyTranslator, lock: threading.Lock, topic: str = "kvstack") -> None:
+        super().__init__(name="kv-events", daemon=True)
+        self.port, self.translator, self.lock, self.topic = port, translator, lock, topic
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not dict(poller.poll(200)):
+                    continue
+                _topic, _seq, payload = sock.recv_multipart()
+                try:
+                    batch = decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    log.warning("undecodable KV event batch: %s", exc)
+                    continue
+                with self.lock:
+                    for event in batch.events:
+                        self.translator.apply(event)
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._stop.set()

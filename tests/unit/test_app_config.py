@@ -1,0 +1,111 @@
+"""AppConfig (deployments/app_config.py): the typed args of the Serve app, parsed once, unknown keys rejected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from configs.loader import UnknownNameError, load_gpus, load_models, load_tiers
+from deployments.app_config import AppConfig
+
+
+def _args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "engine": {"model_path": "/models/tiny-qwen3", "served_model_name": "tiny-qwen3"},
+        "replicas": {"num_replicas": 2},
+        "router": {"model_spec": "tiny-qwen3", "gpu_profile": "cpu-2core"},
+        "pool": {"dram_bytes": 2**28},
+    }
+    for section, value in overrides.items():
+        args[section] = value
+    return args
+
+
+def test_minimal_args_get_the_documented_defaults() -> None:
+    cfg = AppConfig.model_validate(_args())
+    assert cfg.version == 1
+    assert cfg.router.policy == "cost_based"
+    assert cfg.router.tiers["hbm"] == "hbm" and cfg.router.tiers["local_ssd"] == "local-ssd"
+    assert cfg.pool.transfer_backend == "nixl" and cfg.pool.ssd_bytes == 0
+    assert cfg.ingress.num_replicas == 1
+    assert cfg.serve_autoscaling_config() is None
+    assert cfg.serve_ray_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
+    cfg.check_spec_names(load_models(), load_gpus(), load_tiers())
+
+
+def test_unknown_keys_are_rejected_at_every_level() -> None:
+    with pytest.raises(ValidationError, match="dram_gb"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 1, "dram_gb": 1}))
+    with pytest.raises(ValidationError, match="replica"):
+        AppConfig.model_validate({**_args(), "replica": {}})
+    with pytest.raises(ValidationError, match="max_model_length"):
+        AppConfig.model_validate(_args(engine={"model_path": "/m", "served_model_name": "m", "max_model_length": 8}))
+
+
+@pytest.mark.parametrize(
+    "replicas",
+    [{}, {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}}],
+    ids=["neither", "both"],
+)
+def test_replicas_need_exactly_one_of_count_and_autoscaling(replicas: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="exactly one of replicas.num_replicas and replicas.autoscaling_config"):
+        AppConfig.model_validate(_args(replicas=replicas))
+
+
+def test_autoscaling_bounds_and_serve_options() -> None:
+    with pytest.raises(ValidationError, match=r"min_replicas \(5\) > max_replicas \(2\)"):
+        AppConfig.model_validate(_args(replicas={"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}}))
+    with pytest.raises(ValidationError, match=r"initial_replicas \(9\) outside \[1, 4\]"):
+        AppConfig.model_validate(_args(replicas={"autoscaling_config": {"max_replicas": 4, "initial_replicas": 9}}))
+    cfg = AppConfig.model_validate(_args(replicas={
+        "autoscaling_config": {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 4},
+        "num_gpus": 1, "num_cpus": 8,
+    }))
+    assert cfg.serve_autoscaling_config() == {
+        "min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 4.0, "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
+    }
+    assert cfg.serve_ray_actor_options() == {"num_cpus": 8.0, "num_gpus": 1.0}
+
+
+def test_serve_autoscaling_config_is_accepted_by_ray_serve() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    cfg = AppConfig.model_validate(_args(replicas={"autoscaling_config": {"max_replicas": 3, "initial_replicas": 2}}))
+    serve_cfg = AutoscalingConfig.model_validate(cfg.serve_autoscaling_config())
+    assert (serve_cfg.min_replicas, serve_cfg.max_replicas, serve_cfg.initial_replicas) == (1, 3, 2)
+
+
+def test_pool_ssd_needs_a_directory_and_a_valid_backend() -> None:
+    with pytest.raises(ValidationError, match="pool.ssd_bytes > 0 needs pool.ssd_dir"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 1, "ssd_bytes": 10}))
+    with pytest.raises(ValidationError, match="transfer_backend"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 1, "transfer_backend": "rdma"}))
+    with pytest.raises(ValidationError, match="dram_bytes"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 0}))
+
+
+def test_router_settings_are_checked() -> None:
+    with pytest.raises(ValidationError, match="policy"):
+        AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g", "policy": "random"}))
+    with pytest.raises(ValidationError, match="router.tiers must map 'hbm'"):
+        AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g", "tiers": {"local_dram": "x"}}))
+    with pytest.raises(ValidationError, match="tiers"):
+        AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g", "tiers": {"hbm": "hbm", "l3": "x"}}))
+
+
+@pytest.mark.parametrize(
+    ("router", "message"),
+    [
+        ({"model_spec": "qwen9", "gpu_profile": "cpu-2core"}, "unknown model 'qwen9'; known models:"),
+        ({"model_spec": "tiny-qwen3", "gpu_profile": "h100"}, "unknown GPU 'h100'; known GPUs: a100-sxm4-80gb"),
+        ({"model_spec": "tiny-qwen3", "gpu_profile": "cpu-2core", "tiers": {"hbm": "hbm", "local_ssd": "nvme"}},
+         "unknown tier 'nvme'; known tiers:"),
+    ],
+)
+def test_check_spec_names_lists_the_known_names(router: dict[str, Any], message: str) -> None:
+    cfg = AppConfig.model_validate(_args(router=router))
+    with pytest.raises(UnknownNameError, match=message):
+        cfg.check_spec_names(load_models(), load_gpus(), load_tiers())
