@@ -7,13 +7,16 @@ then ``iters`` decisions, each timed in two parts:
     lookup = ``PrefixIndex.snapshot`` (longest-prefix walk + the ClusterSnapshot for the policy)
     rank   = ``PolicyRunner.decide`` (cost_based over every replica, tie-break, the DecisionRecord)
     decision = lookup + rank
+each both in wall-clock time (``decision_p50_us`` ...: what a caller waits, including time the OS gave the core
+to someone else — on a shared machine that dominates p99) and in this thread's CPU time (``decision_cpu_*``: the
+cost of the code itself, what a dedicated router core would wait)
 and, per prompt size, ``hash_us``: ``kvpool.keys.block_keys`` over the prompt's token ids (reported apart: the
 ingress hashes once per request). Each decision is acknowledged at once (steady state: no in-flight
 assignments piling up in the runner). The GC is frozen after the index is built, as a long-running router would
 after warm-up, so a full collection does not walk a million keys inside a decision.
 
-Every row also carries ``cpu_ref_us`` (best-of time of ``sum(range(1000))`` on this machine, ~7 µs on a modern
-desktop core) so runs on different or shared machines can be compared.
+Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` on this machine, ~7 µs on a
+modern desktop core with CPython 3.11) so runs on different or shared machines can be compared.
 
 Output: a JSON list of rows (``replicas``, ``indexed_blocks``, ``prompt_tokens``, ``decision_p50_us``,
 ``decision_p99_us``, ``hash_us`` and the lookup / rank split) to stdout with ``--json`` (or ``--out FILE``),
@@ -61,7 +64,116 @@ def _ints(text: str, what: str) -> list[int]:
 
 def _pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class _Cluster:
+    """A simulated cluster's prefix view: replicas (4 per node by default) and one pool shard per node, fed
+    through the index's real event interfaces."""
+
+    def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random) -> None:
+        from router.index import PrefixIndex
+        from router.policies.base import ReplicaState
+
+        self.n_nodes = max(2, -(-n_rep // per_node))
+        self.replicas = [
+            ReplicaState(f"r{i}", f"node-{i // per_node}", rng.randint(0, 8), rng.randint(0, 4),
+                         rng.uniform(0.0, 0.2), 0, hw)
+            for i in range(n_rep)
+        ]
+        self.shards = [(f"s{j}", f"node-{j}") for j in range(self.n_nodes)]
+        self.now = 0.0
+        self.index = PrefixIndex(ttl_s=1e9, clock=self.clock)
+        self._seqs: dict[str, int] = {}
+        self._rng = rng
+
+    def clock(self) -> float:
+        return self.now
+
+    def hbm_store(self, i: int, keys: list[bytes]) -> None:
+        from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind
+
+        r = self.replicas[i]
+        after = self._seqs.get(r.replica_id, 0)
+        ev = ReplicaBlockEvent(after + 1, ReplicaEventKind.STORED, keys)
+        self.index.apply_replica_batch(
+            ReplicaEventBatch(REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, "e", after, after + 1, [ev])
+        )
+        self._seqs[r.replica_id] = after + 1
+
+    def pool_store(self, j: int, keys: list[bytes], dram: bool) -> None:
+        from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, Tier
+
+        shard, node = self.shards[j % self.n_nodes]
+        tier = Tier.DRAM if dram else Tier.SSD
+        after = self._seqs.get(shard, 0)
+        evs = [BlockEvent(after + i + 1, EventKind.STORED, k, tier) for i, k in enumerate(keys)]
+        self.index.apply_shard_batch(EventBatch(EVENTS_WIRE_VERSION, shard, "e", after, after + len(evs), evs), node)
+        self._seqs[shard] = after + len(evs)
+
+    def place_prompt(self, v: int, keys: list[bytes]) -> None:
+        """Half of the prompt in one replica's HBM, 3/4 in the next node's DRAM, all of it on the SSD after."""
+        i = (v * 7 + len(keys)) % len(self.replicas)
+        node = int(self.replicas[i].node_id.split("-")[1])
+        self.hbm_store(i, keys[: len(keys) // 2])
+        self.pool_store(node + 1, keys[: 3 * len(keys) // 4], dram=True)
+        self.pool_store(node + 2, keys, dram=False)
+
+    def fill(self, target: int) -> None:
+        """Random filler keys until the index holds ``target``, each on one random holder (one batch per holder)."""
+        missing = target - len(self.index)
+        if missing <= 0:
+            return
+        n_rep = len(self.replicas)
+        by_holder: dict[int, list[bytes]] = {}
+        for _ in range(missing):
+            by_holder.setdefault(self._rng.randrange(n_rep + 2 * self.n_nodes), []).append(self._rng.randbytes(16))
+        for h, keys in by_holder.items():
+            if h < n_rep:
+                self.hbm_store(h, keys)
+            else:
+                self.pool_store((h - n_rep) // 2, keys, dram=bool(h % 2))
+
+
+def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int) -> dict[str, Any]:
+    thread_ns, wall_ns = time.thread_time_ns, time.perf_counter_ns
+    index, replicas = cluster.index, cluster.replicas
+    wall: dict[str, list[float]] = {"lookup": [], "rank": [], "total": []}
+    cpu: dict[str, list[float]] = {"lookup": [], "rank": [], "total": []}
+    actions: Counter[str] = Counter()
+    matched = 0
+    warmup = 20
+    for i in range(iters + warmup):
+        req = requests[i % len(requests)]
+        c0, t0 = thread_ns(), wall_ns()
+        snap = index.snapshot(req, replicas)
+        t1, c1 = wall_ns(), thread_ns()
+        rec = runner.decide(req, snap)
+        t2, c2 = wall_ns(), thread_ns()
+        runner.acknowledge(req.request_id)
+        if i < warmup:
+            continue
+        for d, a, b, c in ((wall, t0, t1, t2), (cpu, c0, c1, c2)):
+            d["lookup"].append((b - a) / 1e3)
+            d["rank"].append((c - b) / 1e3)
+            d["total"].append((c - a) / 1e3)
+        actions[str(rec.action)] += 1
+        matched = max(matched, max((h.prefix_blocks for h in snap.pool_hits), default=0))
+    return {
+        "decision_p50_us": round(_pct(wall["total"], 0.5), 1),
+        "decision_p99_us": round(_pct(wall["total"], 0.99), 1),
+        "lookup_p50_us": round(_pct(wall["lookup"], 0.5), 1),
+        "lookup_p99_us": round(_pct(wall["lookup"], 0.99), 1),
+        "rank_p50_us": round(_pct(wall["rank"], 0.5), 1),
+        "rank_p99_us": round(_pct(wall["rank"], 0.99), 1),
+        "decision_cpu_p50_us": round(_pct(cpu["total"], 0.5), 1),
+        "decision_cpu_p99_us": round(_pct(cpu["total"], 0.99), 1),
+        "lookup_cpu_p50_us": round(_pct(cpu["lookup"], 0.5), 1),
+        "rank_cpu_p50_us": round(_pct(cpu["rank"], 0.5), 1),
+        "rank_cpu_p99_us": round(_pct(cpu["rank"], 0.99), 1),
+        "matched_blocks": matched,
+        "actions": dict(actions),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,10 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from configs.loader import load_gpus, load_models, load_tiers, pick
     from kvpool.keys import Namespace, block_keys
     from router.cost import Hardware
-    from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind
-    from router.index import PrefixIndex
-    from router.policies.base import ReplicaState, RouteRequest
-    from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, Tier
+    from router.policies.base import RouteRequest
     from router.policies.pricing import TierMap
     from router.policies.runner import PolicyRunner, make_policy
 
@@ -92,124 +201,56 @@ def run(args: argparse.Namespace) -> int:
     ns = Namespace(args.model, "bench-layout")
     started = time.perf_counter()
 
-    # Prompts: a few per size, hashed once (hash_us), reused in every cell.
+    # Prompts: two per size (timed hashing over five), reused in every cell.
     prompts: dict[int, list[list[bytes]]] = {}
-    hash_us: dict[int, float] = {}
+    hash_us: dict[int, tuple[float, float]] = {}
     for size in prompt_sizes:
-        variants, times = [], []
-        for _ in range(2):
+        variants, times, cpu_times = [], [], []
+        for v in range(5):
             tokens = nprng.integers(0, 150_000, size=size, dtype=np.uint32)
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             keys = block_keys(ns, tokens, bs)
             times.append((time.perf_counter_ns() - t0) / 1e3)
-            variants.append(keys)
+            cpu_times.append((time.thread_time_ns() - c0) / 1e3)
+            if v < 2:
+                variants.append(keys)
         prompts[size] = variants
-        hash_us[size] = statistics.median(times)
+        hash_us[size] = (statistics.median(times), statistics.median(cpu_times))
 
-    # This machine's speed, to compare runs across machines: best-of time of sum(range(1000)) (~7 µs on a
+    # This machine's speed, to compare runs across machines: best-of CPU time of sum(range(1000)) (~7 µs on a
     # modern desktop core with CPython 3.11; more on a shared VM).
-    cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
+    cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5, timer=time.thread_time)) / 2000 * 1e6
     rows: list[dict[str, Any]] = []
     for n_rep in replica_counts:
-        n_nodes = max(2, -(-n_rep // args.replicas_per_node))
-        replicas = [
-            ReplicaState(f"r{i}", f"node-{i // args.replicas_per_node}", rng.randint(0, 8), rng.randint(0, 4),
-                         rng.uniform(0.0, 0.2), 0, hw)
-            for i in range(n_rep)
-        ]
-        shards = [(f"s{j}", f"node-{j}") for j in range(n_nodes)]
-        clock_t = [0.0]
-        index = PrefixIndex(ttl_s=1e9, clock=lambda: clock_t[0])
-        seqs: dict[str, int] = {}
-
-        def hbm_store(replica: ReplicaState, keys: list[bytes]) -> None:
-            after = seqs.get(replica.replica_id, 0)
-            ev = ReplicaBlockEvent(after + 1, ReplicaEventKind.STORED, keys)
-            index.apply_replica_batch(ReplicaEventBatch(REPLICA_EVENTS_VERSION, replica.replica_id, replica.node_id,
-                                                        "e", after, after + 1, [ev]))
-            seqs[replica.replica_id] = after + 1
-
-        def pool_store(shard: str, node: str, keys: list[bytes], tier: Tier) -> None:
-            after = seqs.get(shard, 0)
-            evs = [BlockEvent(after + i + 1, EventKind.STORED, k, tier) for i, k in enumerate(keys)]
-            index.apply_shard_batch(EventBatch(EVENTS_WIRE_VERSION, shard, "e", after, after + len(evs), evs), node)
-            seqs[shard] = after + len(evs)
-
-        # The prompts' prefixes: half in one replica's HBM, 3/4 in a remote shard's DRAM, all on a third's SSD.
-        for size, variants in prompts.items():
+        cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng)
+        for variants in prompts.values():
             for v, keys in enumerate(variants):
-                holder = replicas[(v * 7 + size) % n_rep]
-                hbm_store(holder, keys[: len(keys) // 2])
-                s_dram = shards[(int(holder.node_id.split("-")[1]) + 1) % n_nodes]
-                pool_store(s_dram[0], s_dram[1], keys[: 3 * len(keys) // 4], Tier.DRAM)
-                s_ssd = shards[(int(holder.node_id.split("-")[1]) + 2) % n_nodes]
-                pool_store(s_ssd[0], s_ssd[1], keys, Tier.SSD)
-
+                cluster.place_prompt(v, keys)
         policy = make_policy("cost_based", rng=random.Random(args.seed), tier_map=tier_map)
-        runner = PolicyRunner(policy, rng=random.Random(args.seed + 1), clock=lambda: clock_t[0])
+        runner = PolicyRunner(policy, rng=random.Random(args.seed + 1), clock=cluster.clock)
         for target in block_counts:
-            # Filler: random keys, each held by one random holder, in one batch per holder.
-            missing = target - len(index)
-            if missing > 0:
-                by_holder: dict[int, list[bytes]] = {}
-                n_holders = n_rep + 2 * n_nodes
-                for _ in range(missing):
-                    by_holder.setdefault(rng.randrange(n_holders), []).append(rng.randbytes(16))
-                for h, keys in by_holder.items():
-                    if h < n_rep:
-                        hbm_store(replicas[h], keys)
-                    else:
-                        sid, node = shards[(h - n_rep) // 2]
-                        pool_store(sid, node, keys, Tier.DRAM if h % 2 else Tier.SSD)
+            cluster.fill(target)
             gc.collect()
             gc.freeze()
             for size in prompt_sizes:
-                lookup, rank, total = [], [], []
-                actions: Counter[str] = Counter()
-                matched = 0
                 requests = [RouteRequest(f"q{size}-{v}", size, bs, keys) for v, keys in enumerate(prompts[size])]
-                for i in range(args.iters + 20):
-                    req = requests[i % len(requests)]
-                    t0 = time.perf_counter_ns()
-                    snap = index.snapshot(req, replicas)
-                    t1 = time.perf_counter_ns()
-                    rec = runner.decide(req, snap)
-                    t2 = time.perf_counter_ns()
-                    runner.acknowledge(req.request_id)
-                    if i < 20:
-                        continue  # warm-up
-                    lookup.append((t1 - t0) / 1e3)
-                    rank.append((t2 - t1) / 1e3)
-                    total.append((t2 - t0) / 1e3)
-                    actions[str(rec.action)] += 1
-                    matched = max(matched, max((h.prefix_blocks for h in snap.pool_hits), default=0))
-                row = {
-                    "replicas": n_rep,
-                    "indexed_blocks": len(index),
-                    "prompt_tokens": size,
-                    "block_size": bs,
-                    "decision_p50_us": round(_pct(total, 0.5), 1),
-                    "decision_p99_us": round(_pct(total, 0.99), 1),
-                    "lookup_p50_us": round(_pct(lookup, 0.5), 1),
-                    "lookup_p99_us": round(_pct(lookup, 0.99), 1),
-                    "rank_p50_us": round(_pct(rank, 0.5), 1),
-                    "rank_p99_us": round(_pct(rank, 0.99), 1),
-                    "hash_us": round(hash_us[size], 1),
-                    "matched_blocks": matched,
-                    "actions": dict(actions),
-                    "cpu_ref_us": round(cpu_ref_us, 1),
-                }
+                row = {"replicas": n_rep, "indexed_blocks": len(cluster.index), "prompt_tokens": size,
+                       "block_size": bs}
+                row.update(_measure(cluster, runner, requests, args.iters))
+                row.update(hash_us=round(hash_us[size][0], 1), hash_cpu_us=round(hash_us[size][1], 1),
+                           cpu_ref_us=round(cpu_ref_us, 1))
                 rows.append(row)
                 if not args.json:
                     print(
                         f"replicas {n_rep:4d}  blocks {row['indexed_blocks']:8d}  prompt {size:6d}  "
                         f"decision p50 {row['decision_p50_us']:8.1f} p99 {row['decision_p99_us']:8.1f} us  "
-                        f"(lookup p50 {row['lookup_p50_us']:7.1f}, rank p50 {row['rank_p50_us']:7.1f})  "
-                        f"hash {row['hash_us']:9.1f} us  {dict(actions)}",
+                        f"cpu p50 {row['decision_cpu_p50_us']:8.1f} p99 {row['decision_cpu_p99_us']:8.1f} us  "
+                        f"(lookup cpu p50 {row['lookup_cpu_p50_us']:7.1f}, rank cpu p50 {row['rank_cpu_p50_us']:7.1f})"
+                        f"  hash {row['hash_us']:9.1f} us  {row['actions']}",
                         file=sys.stderr,
                     )
             gc.unfreeze()
-        del index, runner
+        del cluster, runner
         gc.collect()
 
     text = json.dumps(rows, indent=1)

@@ -131,20 +131,66 @@ class SimCluster:
         self.n_replicas = n_rep
         self.replica_by_id = {r.replica_id: r for r in self.replicas}
         self.shard_by_id = {s.shard_id: s for s in self.shards}
+        self._hit_cache: dict[int, PoolHit] = {}
+        self._states: list[ReplicaState] = [r.state(0.0, 0) for r in self.replicas]
+        self._hbm: list[int] = [0] * n_rep
+        self._nonzero: list[int] = []
+        self._busy: set[int] = set()
 
     def prefix_blocks(self, blocks: list[int]) -> dict[int, int]:
         """cache id -> leading blocks held, for every cache holding the first block."""
         return self.index.prefix_blocks(blocks)
 
     def pool_hits(self, prefix: dict[int, int], now: float) -> list[PoolHit]:
+        """Every shard tier holding a prefix of the request, in cache-id order (deterministic); ``PoolHit`` objects
+        are reused while a tier's prefix and its link backlog stay the same."""
         n_rep = self.n_replicas
         hits: list[PoolHit] = []
-        for cache_id, blocks in prefix.items():
-            if cache_id < n_rep:
-                continue
+        cache = self._hit_cache
+        for cache_id in sorted(c for c in prefix if c >= n_rep):
+            blocks = prefix[cache_id]
             s = self.shards[(cache_id - n_rep) >> 1]
-            tier: StorageTier = "ssd" if (cache_id - n_rep) & 1 else "dram"
             q = s.link_free_at - now
-            hits.append(PoolHit(s.shard_id, s.node_id, tier, blocks, q if q > 0.0 else 0.0))
-        hits.sort(key=lambda h: (h.shard_id, h.tier))  # deterministic order (dicts follow insertion history)
+            q = q if q > 0.0 else 0.0
+            last = cache.get(cache_id)
+            if last is None or last.prefix_blocks != blocks or last.queue_delay_s != q:
+                tier: StorageTier = "ssd" if (cache_id - n_rep) & 1 else "dram"
+                last = cache[cache_id] = PoolHit(s.shard_id, s.node_id, tier, blocks, q)
+            hits.append(last)
         return hits
+
+    def replica_states(self, prefix: dict[int, int], now: float) -> list[ReplicaState]:
+        """Every replica's state at ``now`` for a request whose HBM prefixes are ``prefix`` (cache id -> blocks).
+
+        Only replicas that can have changed are recomputed: the busy ones (prefills or decodes pending) and those
+        whose HBM prefix differs from the previous request's. The others keep their previous state object.
+        """
+        n_rep = self.n_replicas
+        states = self._states
+        hbm = self._hbm
+        busy = self._busy
+        replicas = self.replicas
+        dirty = set(busy)
+        for cache_id, blocks in prefix.items():
+            if cache_id < n_rep and hbm[cache_id] != blocks:
+                dirty.add(cache_id)
+        for i in self._nonzero:
+            if i not in prefix:
+                dirty.add(i)
+        nonzero = []
+        for i in dirty:
+            r = replicas[i]
+            h = prefix.get(i, 0)
+            states[i] = r.state(now, h)
+            hbm[i] = h
+            if not (r.prefills or r.decodes):
+                busy.discard(i)
+        for cache_id in prefix:
+            if cache_id < n_rep:
+                nonzero.append(cache_id)
+        self._nonzero = nonzero
+        return list(states)
+
+    def mark_busy(self, replica: SimReplica) -> None:
+        """A request was dispatched to ``replica``: recompute its state until its work drains."""
+        self._busy.add(replica.index)

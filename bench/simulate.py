@@ -122,6 +122,7 @@ class SimResult:
     wall_s: float
     evicted_tokens: dict[str, int]
     per_replica_requests: list[int]
+    replica_busy_s: float
 
     @property
     def token_hit_rate(self) -> float:
@@ -164,6 +165,9 @@ class SimResult:
             "decision_latency_us": {k: lat[k] for k in ("p50", "p99", "mean")},
             "evicted_tokens": dict(self.evicted_tokens),
             "replica_load_cv": float(loads.std() / loads.mean()) if loads.size and loads.mean() > 0 else 0.0,
+            "replica_busy_fraction": (
+                self.replica_busy_s / (loads.size * self.makespan_s) if loads.size and self.makespan_s > 0 else 0.0
+            ),
             "makespan_s": self.makespan_s,
             "wall_s": self.wall_s,
         }
@@ -258,7 +262,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         prompt_total += prompt
         prefix = cluster.prefix_blocks(blocks)
         get = prefix.get
-        states = [r.state(now, get(r.index, 0)) for r in replicas]
+        states = cluster.replica_states(prefix, now)
         hits = cluster.pool_hits(prefix, now) if cluster.pool_enabled else []
         request = RouteRequest(
             request_id=f"r{rec.index}",
@@ -308,6 +312,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         service += compute
         end_t = start + service
         rep.free_at = end_t
+        cluster.mark_busy(rep)
         rep.prefills.append((start, end_t))
         rep.prefill_busy_s += service
         ttft = end_t - now
@@ -350,6 +355,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         wall_s=time.perf_counter() - wall0,
         evicted_tokens=evicted,
         per_replica_requests=per_replica,
+        replica_busy_s=sum(r.prefill_busy_s for r in replicas),
     )
 
 

@@ -1,7 +1,8 @@
 """HBM prefix events: vLLM's own KV cache events (ZMQ) turned into kvstack block keys for the router.
 
-Who calls what: ``deployments.replica.VLLMReplica`` starts the engine with a ``KVEventsConfig`` publishing on
-``tcp://127.0.0.1:<port>`` (``events_config``) and runs a ``KvEventSubscriber`` thread next to it. vLLM publishes
+Who calls what: ``deployments.replica.VLLMReplica`` starts the engine with a ``KVEventsConfig`` publishing to
+``tcp://127.0.0.1:<port>`` (``events_config``) and runs a ``KvEventSubscriber`` thread next to it. The subscriber
+binds that port (vLLM's publisher connects to a non-wildcard endpoint) before the engine starts. vLLM publishes
 ``BlockStored`` (its block hashes, the parent hash, the blocks' token ids), ``BlockRemoved`` and
 ``AllBlocksCleared`` whenever its prefix cache changes. The subscriber re-chains the token ids with
 ``kvpool.keys.chain_keys`` from the parent's kvstack key (or the namespace root for a first block), so the keys are
@@ -78,23 +79,26 @@ class KeyTranslator:
 
 
 class KvEventSubscriber(threading.Thread):
-    """Subscribes to the engine's ZMQ publisher and feeds a ``KeyTranslator`` under ``lock``."""
+    """Binds a SUB socket on a free loopback port (``port``), then, once started, feeds a ``KeyTranslator`` under
+    ``lock`` with every event batch the engine publishes to it."""
 
-    def __init__(self, port: int, translator: KeyTranslator, lock: threading.Lock, topic: str = "kvstack") -> None:
+    def __init__(self, translator: KeyTranslator, lock: threading.Lock, topic: str = "kvstack") -> None:
+        import zmq
+
         super().__init__(name="kv-events", daemon=True)
-        self.port, self.translator, self.lock, self.topic = port, translator, lock, topic
+        self.translator, self.lock, self.topic = translator, lock, topic
         self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
 
     def run(self) -> None:
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{self.port}")
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:

@@ -160,11 +160,9 @@ class VLLMReplica:
         self._events: KvEventSubscriber | None = None
         events_port = None
         if self.settings.kv_events:
-            from cluster.local_cluster import free_port
-
-            events_port = free_port()
             translator = KeyTranslator(self.key_root, self.ledger.touch, self.ledger.remove, self.ledger.clear)
-            self._events = KvEventSubscriber(events_port, translator, self.ledger.lock)
+            self._events = KvEventSubscriber(translator, self.ledger.lock)
+            events_port = self._events.port
             self._events.start()
         started = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port))
@@ -173,6 +171,7 @@ class VLLMReplica:
         self.waiting = 0
         self._seq = 0
         self._hub = None
+        self._hub_address = (hub_name, hub_namespace)
         if hub_name:
             self._hub = get_or_create_hub(hub_name, hub_namespace)
         self._stats_interval_s = stats_interval_s
@@ -267,9 +266,13 @@ class VLLMReplica:
             try:
                 await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)
                 first = False
-            except Exception as exc:  # hub restarting: resend a full snapshot next time
+            except Exception as exc:  # hub restarting: look it up again, resend a full snapshot next time
                 log.warning("replica %s: stats publish failed: %s", self.replica_id, exc)
                 first = True
+                try:
+                    self._hub = get_or_create_hub(*self._hub_address)
+                except Exception as lookup_exc:  # noqa: BLE001 - retried on the next round
+                    log.warning("replica %s: hub lookup failed: %s", self.replica_id, lookup_exc)
             await asyncio.sleep(self._stats_interval_s)
 
     def __del__(self) -> None:

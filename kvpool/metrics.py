@@ -2,7 +2,8 @@
 
 Who calls what: the block store (``kvpool.store``) updates a ``PoolMetrics`` bound to its shard id at every
 visible change; the shard actor exposes ``generate_latest`` of its registry (``PoolMetrics.exposition``) and can
-serve it over HTTP; transfer clients (the connector's worker side, the bench) call ``observe_transfer``.
+serve it over HTTP. Transfer bytes and latency are the transfer layer's own series (``kvstack_transfer_*`` in
+``kvpool.transfer.metrics``), observed by every endpoint per call.
 
 The registry is injected: pass ``prometheus_client.REGISTRY`` to export through the process-wide default, or
 leave it out to get a private ``CollectorRegistry`` (tests, several shards in one process). Metric families are
@@ -14,7 +15,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 PREFIX = "kvstack_pool_"
 
@@ -36,8 +37,6 @@ class _Families:
     checksum_failures: Counter
     leases_expired: Counter
     reservations_expired: Counter
-    transfer_bytes: Counter
-    transfer_seconds: Histogram
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -73,13 +72,6 @@ def _families(registry: CollectorRegistry) -> _Families:
         leases_expired=Counter(PREFIX + "leases_expired", "Leases ended by expiry", ["shard"], registry=registry),
         reservations_expired=Counter(
             PREFIX + "reservations_expired", "Reservations ended by expiry", ["shard"], registry=registry
-        ),
-        transfer_bytes=Counter(
-            PREFIX + "transfer_bytes", "Bytes moved by block transfers", ["backend", "direction"], registry=registry
-        ),
-        transfer_seconds=Histogram(
-            PREFIX + "transfer_seconds", "Wall time of one batched block transfer", ["backend", "direction"],
-            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0), registry=registry,
         ),
     )
     _BY_REGISTRY[registry] = fams
@@ -133,11 +125,6 @@ class PoolMetrics:
 
     def reservation_expired(self, n: int = 1) -> None:
         self._f.reservations_expired.labels(self.shard_id).inc(n)
-
-    def observe_transfer(self, backend: str, direction: str, nbytes: int, seconds: float) -> None:
-        """One batched transfer (``direction`` = "read" | "write"), from the client side."""
-        self._f.transfer_bytes.labels(backend, direction).inc(nbytes)
-        self._f.transfer_seconds.labels(backend, direction).observe(seconds)
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (e.g. ``value("kvstack_pool_checksum_failures_total", tier="ssd", ...)``);

@@ -37,6 +37,8 @@ from kvpool.checksum import CHECKSUM_ALGO
 from kvpool.events import EventBatch, ShardSnapshot
 from kvpool.metrics import PoolMetrics
 from kvpool.store import BlockStore, CommitResult, Lease, LookupResult, Reservation, StoreConfig, StoreStats
+from kvpool.transfer.nixl import NixlOptions
+from kvpool.transfer.tcp import TcpOptions
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ class ShardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str = "nixl"
     sweep_interval_s: float = 0.5
     metrics_port: int = 0  # > 0: serve this shard's registry over HTTP on that port
-    endpoint_options: dict[str, str | int | float | bool] = {}
+    nixl: NixlOptions | None = None  # backend "nixl": None = NixlOptions() defaults
+    tcp: TcpOptions | None = None  # backend "tcp": None = listen on this node's IP, any free port
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -202,7 +205,12 @@ class PoolShard:
         if cfg.backend != "none":
             from kvpool.transfer import make_endpoint
 
-            self.endpoint = make_endpoint(cfg.backend, self.agent_name, **cfg.endpoint_options)
+            options: NixlOptions | TcpOptions
+            if cfg.backend == "nixl":
+                options = cfg.nixl or NixlOptions()
+            else:
+                options = cfg.tcp or TcpOptions(bind_host=self.node_ip)
+            self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=options)
             self.region_id = self.endpoint.register(self.store.arena.buffer)
         self._http: Any = None
         if cfg.metrics_port > 0:

@@ -30,8 +30,22 @@ TIER_CLASSES = ("dram_local", "dram_remote", "ssd_local", "ssd_remote")
 class OnlineLine:
     """Exponentially weighted least squares for ``y ≈ a + b·x`` with robust outlier rejection."""
 
-    __slots__ = ("decay", "min_obs", "outlier_k", "max_rejects", "w", "sx", "sy", "sxx", "sxy", "n", "rejected",
-                 "_res_s", "_res_w", "_rejects_in_row")
+    __slots__ = (
+        "_rejects_in_row",
+        "_res_s",
+        "_res_w",
+        "decay",
+        "max_rejects",
+        "min_obs",
+        "n",
+        "outlier_k",
+        "rejected",
+        "sx",
+        "sxx",
+        "sxy",
+        "sy",
+        "w",
+    )
 
     def __init__(self, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0, max_rejects: int = 3):
         if halflife <= 0 or min_obs < 2 or outlier_k <= 0 or max_rejects < 1:

@@ -91,10 +91,23 @@ class HubState:
 
 
 class ClusterViewHub:
-    """Ray actor wrapper (``ray.remote(ClusterViewHub).options(name=DEFAULT_HUB_NAME, ...)``)."""
+    """Ray actor wrapper (``ray.remote(ClusterViewHub).options(name=DEFAULT_HUB_NAME, ...)``).
+
+    It also keeps each router's latest decision summaries (``publish_decisions`` / ``decisions``) so that
+    ``kvstack status`` sees every router's decisions whichever router answers it.
+    """
 
     def __init__(self, max_log: int = 4096) -> None:
         self._state = HubState(max_log)
+        self._decisions: dict[str, list[dict]] = {}
+
+    def publish_decisions(self, router_id: str, summaries: list[dict]) -> None:
+        self._decisions[router_id] = summaries
+
+    def decisions(self, limit: int = 50) -> list[dict]:
+        merged = [d for rows in self._decisions.values() for d in rows]
+        merged.sort(key=lambda d: d.get("decided_at", 0.0))
+        return merged[-limit:]
 
     def publish_replica(self, raw: bytes) -> None:
         self._state.publish(msgspec.msgpack.decode(raw, type=ReplicaReport))

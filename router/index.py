@@ -60,7 +60,7 @@ _EMPTY_MATCH = PrefixMatch({}, ())
 
 
 class _Holder:
-    __slots__ = ("bit", "kind", "source_id", "node_id", "tier", "keys")
+    __slots__ = ("bit", "keys", "kind", "node_id", "source_id", "tier")
 
     def __init__(self, bit: int, kind: SourceKind, source_id: str, node_id: str, tier: HolderTier) -> None:
         self.bit = bit
@@ -76,7 +76,7 @@ _Op = tuple[int, str, HolderTier, Sequence[bytes]]
 
 
 class _Source:
-    __slots__ = ("kind", "source_id", "node_id", "epoch", "seq", "stale", "last_seen", "holders", "buffer")
+    __slots__ = ("buffer", "epoch", "holders", "kind", "last_seen", "node_id", "seq", "source_id", "stale")
 
     def __init__(self, kind: SourceKind, source_id: str, node_id: str, epoch: str, now: float) -> None:
         self.kind = kind
@@ -258,7 +258,7 @@ class PrefixIndex:
         if hbm or stale_hbm:
             ids = list(map(_get_id, replicas))
             fixed = list(replicas)
-            pos = dict(zip(ids, range(len(ids))))
+            pos = dict(zip(ids, range(len(ids)), strict=True))
             if stale_hbm:  # values the caller left in: this index is the truth
                 for i in compress(range(len(fixed)), map(_get_hb, replicas)):
                     if ids[i] not in hbm:
@@ -336,8 +336,7 @@ class PrefixIndex:
                     src.buffer.append(op)
                 else:
                     src.buffer = None
-        if last_seq > src.seq:
-            src.seq = last_seq
+        src.seq = max(src.seq, last_seq)
 
     def _apply_snapshot(
         self,

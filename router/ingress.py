@@ -52,6 +52,7 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
         self.router_id = serve.get_replica_context().replica_id.unique_id
         self.view = LiveView.from_settings(self.settings)
+        self.view.router_id = self.router_id
         self.view.replica_handle = replicas
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
 
@@ -152,10 +153,7 @@ class OpenAIIngress:
                        "cpus": n.get("Resources", {}).get("CPU", 0.0)} for n in nodes if n["Alive"]],
             "replicas": self.view.replica_rows(),
             "shards": shards,
-            "decisions": [{"request_id": d["request_id"], "action": d["action"], "replica_id": d["replica_id"],
-                           "actual_ttft_s": d.get("actual_ttft_s"),
-                           "predicted": self.view.predicted_by_action(d)}
-                          for d in self.view.recent_decisions(decisions)],
+            "decisions": await self.view.all_decisions(decisions),
         })
 
     @app.post("/v1/chat/completions")

@@ -71,7 +71,10 @@ class LiveView:
         self.metrics = RouterMetrics()
         self.registry = self.metrics.registry
         self.audit = AuditLog(settings.decision_log_size)
-        policy = make_policy(settings.policy, rng=rng, tier_map=tier_map)
+        # The replicas' connector loads a leading prefix only (no "compute the head, load the tail" yet), so the
+        # live cost_based policy does not offer SPLIT; the simulator prices it.
+        options = {"allow_split": False} if settings.policy == "cost_based" else {}
+        policy = make_policy(settings.policy, rng=rng, tier_map=tier_map, **options)
         self.runner = PolicyRunner(policy, rng=rng, audit=self.audit, metrics=self.metrics)
         self.calibrator = Calibrator(bw_util=settings.bw_util)
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
@@ -82,6 +85,9 @@ class LiveView:
         self._shards: dict[str, Any] = {}  # shard id -> ShardRef
         self._shard_seq: dict[str, tuple[str, int]] = {}  # shard id -> (epoch, last applied seq)
         self._shards_listed_at = -1e9
+        self.router_id = ""  # set by the ingress (its Serve replica id)
+        self._published_decisions = 0
+        self._published_at = -1e9
 
     @classmethod
     def from_settings(cls, settings: IngressSettings) -> LiveView:
@@ -105,6 +111,12 @@ class LiveView:
             except Exception as exc:  # noqa: BLE001 - hub restarting: keep the last view, retry
                 log.warning("cluster view poll failed: %s", exc)
                 self._hub = None
+            try:
+                await self._publish_decisions()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("publishing decisions failed: %s", exc)
             try:
                 await self._sync_shards()
             except asyncio.CancelledError:
@@ -173,6 +185,31 @@ class LiveView:
             snap = msgspec.msgpack.decode(raw, type=ShardSnapshot)
             self.index.apply_shard_snapshot(snap, ref.node_id)
             self._shard_seq[shard_id] = (snap.epoch, snap.seq)
+
+    async def _publish_decisions(self) -> None:
+        """Every ~1 s, this router's recent decision summaries go to the hub (for ``kvstack status``)."""
+        now = time.monotonic()
+        if self._hub is None or len(self.audit) == self._published_decisions or now - self._published_at < 1.0:
+            return
+        summaries = self.decision_summaries(50)
+        await asyncio.wait_for(self._hub.publish_decisions.remote(self.router_id, summaries), timeout=5.0)
+        self._published_decisions, self._published_at = len(self.audit), now
+
+    def decision_summaries(self, limit: int) -> list[dict[str, Any]]:
+        return [{"request_id": d["request_id"], "action": d["action"], "replica_id": d["replica_id"],
+                 "router_id": self.router_id, "decided_at": d["decided_at"], "actual_ttft_s": d.get("actual_ttft_s"),
+                 "predicted": self.predicted_by_action(d), "reason": d["reason"]}
+                for d in self.recent_decisions(limit)]
+
+    async def all_decisions(self, limit: int) -> list[dict[str, Any]]:
+        """Every router's recent decisions (from the hub), falling back to this router's own."""
+        try:
+            if self._hub is not None:
+                await self._publish_decisions()
+                return await asyncio.wait_for(self._hub.decisions.remote(limit), timeout=5.0)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("reading decisions from the hub failed: %s", exc)
+        return self.decision_summaries(limit)
 
     def live_replicas(self, now: float) -> dict[str, ReplicaLoad]:
         ttl = self.settings.replica_ttl_s

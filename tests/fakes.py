@@ -15,7 +15,7 @@ from router.policies import base as _r_base
 from router.policies.pricing import TierMap as _RTierMap
 
 
-@_r_functools.lru_cache(maxsize=None)
+@_r_functools.cache
 def router_hw(
     model: str = "qwen3-14b", gpu: str = "h100-sxm5-80gb", mfu: float = 0.5, bw_util: float = 0.8, gpus: int = 1
 ) -> _RHardware:
@@ -25,7 +25,7 @@ def router_hw(
     )
 
 
-@_r_functools.lru_cache(maxsize=None)
+@_r_functools.cache
 def router_tier_map() -> _RTierMap:
     return _RTierMap.from_tiers(_r_loader.load_tiers())
 

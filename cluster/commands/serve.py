@@ -92,6 +92,15 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def _same_tiny(path: Path, tiny: Any) -> bool:
+    from cluster.tiny_models import MARKER_FILE, preset_spec
+
+    try:
+        return json.loads((path / MARKER_FILE).read_text()).get("digest") == preset_spec(tiny.arch, tiny.preset).digest()
+    except (OSError, ValueError):
+        return False
+
+
 def handle_signals(stop: threading.Event) -> None:
     """SIGINT/SIGTERM set ``stop``. Re-installed after ``ray.init``, whose core worker replaces the handlers."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -140,11 +149,14 @@ class ServeStack:
         self._deploy()
 
     def _ensure_tiny_model(self) -> None:
-        from cluster.tiny_models import make_tiny, preset_spec
+        from cluster.tiny_models import MARKER_FILE, make_tiny, preset_spec
 
         path = Path(self.cfg.app.engine.model_path)
         t = self.progress.step(f"tiny model {self.cfg.tiny_model.arch}/{self.cfg.tiny_model.preset} at {path}")
-        make_tiny(preset_spec(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset), path)
+        # A directory holding another generated tiny model (older generator, other preset) is ours to rebuild; any
+        # other non-empty directory is refused by make_tiny.
+        make_tiny(preset_spec(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset), path,
+                  force=(path / MARKER_FILE).exists() and not _same_tiny(path, self.cfg.tiny_model))
         self.progress.done("tiny model ready", t)
 
     def _start_shards(self) -> None:

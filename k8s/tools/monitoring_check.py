@@ -32,7 +32,8 @@ _SPEC_KEYS = {
                        "sampleLimit", "targetLimit", "labelLimit", "attachMetadata"},
 }
 _ENDPOINT_KEYS = {"port", "portNumber", "targetPort", "path", "scheme", "params", "interval", "scrapeTimeout",
-                  "honorLabels", "honorTimestamps", "relabelings", "metricRelabelings", "tlsConfig", "bearerTokenSecret",
+                  "honorLabels", "honorTimestamps", "relabelings", "metricRelabelings", "tlsConfig",
+                  "bearerTokenSecret",
                   "basicAuth", "authorization", "followRedirects", "enableHttp2", "filterRunning", "proxyUrl"}
 _RELABEL_KEYS = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
 _RELABEL_ACTIONS = {"replace", "keep", "drop", "keepequal", "dropequal", "hashmod", "labelmap", "labeldrop",

@@ -162,12 +162,14 @@ def check_serve_schema(cfg: dict[str, Any], where: str) -> list[Problem]:
             continue
         env = app.get("runtime_env") or {}
         for key in sorted(set(env) - set(RuntimeEnv.known_fields)):
-            problems.append(Problem(where, f"serveConfigV2.applications[{a}].runtime_env.{key}", "unknown runtime_env key"))
+            problems.append(Problem(where, f"serveConfigV2.applications[{a}].runtime_env.{key}",
+                                    "unknown runtime_env key"))
         for d, dep in enumerate(app.get("deployments") or []):
             if not isinstance(dep, dict):
                 continue
             base = f"serveConfigV2.applications[{a}].deployments[{d}]"
-            for key, model in (("autoscaling_config", AutoscalingConfig), ("request_router_config", RequestRouterConfig)):
+            for key, model in (("autoscaling_config", AutoscalingConfig),
+                               ("request_router_config", RequestRouterConfig)):
                 value = dep.get(key)
                 if isinstance(value, dict):
                     try:
@@ -248,12 +250,14 @@ def _check_deployment_names(builder: Any, app: dict[str, Any], where: str, path:
     try:
         graph = built_deployments(builder, app.get("args") or {}, str(app.get("name", "default")))
     except Exception as exc:  # noqa: BLE001 - any failure of the user's builder is a finding, reported as such
-        return [Problem(where, f"{path}.import_path", f"building the app from its args failed: {type(exc).__name__}: {exc}")]
+        return [Problem(where, f"{path}.import_path",
+                        f"building the app from its args failed: {type(exc).__name__}: {exc}")]
     problems = []
     for d, dep in enumerate(app.get("deployments") or []):
         if dep.get("name") not in graph:
             problems.append(Problem(where, f"{path}.deployments[{d}].name",
-                                    f"{dep.get('name')!r} is not a deployment of the app (has: {', '.join(sorted(graph))})"))
+                                    f"{dep.get('name')!r} is not a deployment of the app "
+                                    f"(has: {', '.join(sorted(graph))})"))
     return problems
 
 
@@ -380,14 +384,16 @@ def _check_overrides(replica: dict[str, Any], ingress: dict[str, Any], args: Any
         for key in sorted(set(override) & set(type(r.autoscaling_config).model_fields) - set(auto)):
             problems.append(Problem(where, f"{rep}.autoscaling_config.{key}", "set here but not in args"))
     if "num_replicas" in replica and r.num_replicas is not None and replica["num_replicas"] != r.num_replicas:
-        problems.append(Problem(where, f"{rep}.num_replicas", f"differs from args.replicas.num_replicas ({r.num_replicas})"))
+        problems.append(Problem(where, f"{rep}.num_replicas",
+                                f"differs from args.replicas.num_replicas ({r.num_replicas})"))
     if "max_ongoing_requests" in replica and replica["max_ongoing_requests"] != r.max_ongoing_requests:
         problems.append(Problem(where, f"{rep}.max_ongoing_requests",
                                 f"differs from args.replicas.max_ongoing_requests ({r.max_ongoing_requests})"))
     opts = replica.get("ray_actor_options") or {}
     for key, value in args.serve_ray_actor_options().items():
         if key in opts and float(opts[key]) != float(value):
-            problems.append(Problem(where, f"{rep}.ray_actor_options.{key}", f"{opts[key]} but args.replicas.{key} is {value}"))
+            problems.append(Problem(where, f"{rep}.ray_actor_options.{key}",
+                                    f"{opts[key]} but args.replicas.{key} is {value}"))
     if "num_replicas" in ingress and ingress["num_replicas"] != args.ingress.num_replicas:
         problems.append(Problem(where, f"{ing}.num_replicas",
                                 f"differs from args.ingress.num_replicas ({args.ingress.num_replicas})"))

@@ -15,7 +15,8 @@ storage tier share T, so their order does not depend on the replica). Replicas w
 hit on their node share their hardware group's precomputed best, so they cost one addition: O(R + H log H) per
 request. SPLIT is priced on each of those fetch options and counts only when it beats the replica's best plain
 action (HOLDER / FETCH / RECOMPUTE) by ``split_min_gain`` (default 15%: overlapping compute with a transfer has
-costs the model does not see and needs engine support, so a near-tie goes to the plain action). The formulas are ``router.cost``'s (see ``router.policies.pricing``).
+costs the model does not see and needs engine support, so a near-tie goes to the plain action). The formulas are
+``router.cost``'s (see ``router.policies.pricing``).
 
 Ranking: the cheapest replicas (each with its best action) within ``max(window_abs_s, window_rel · best)`` of the
 best, at most ``max_candidates`` (the runner's tie window must be narrower), plus the best candidate of every
@@ -67,7 +68,7 @@ Option = tuple[float, int, int, int, float, str]
 class _Class:
     """Replicas of one hardware without an HBM prefix on one node: same prices, they differ only by queue."""
 
-    __slots__ = ("cost", "desc", "acts", "min_q", "min_i")
+    __slots__ = ("acts", "cost", "desc", "min_i", "min_q")
 
     def __init__(self, acts: list[tuple[float, Desc]]) -> None:
         self.acts = acts
@@ -79,7 +80,7 @@ class _Class:
 class _Group:
     """Per request and hardware: the constants every replica of that hardware shares."""
 
-    __slots__ = ("co", "recompute", "remote", "local", "prompt", "bs", "hits", "split", "fast", "classes")
+    __slots__ = ("bs", "classes", "co", "fast", "hits", "local", "prompt", "recompute", "remote", "split")
 
     def __init__(
         self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float
@@ -135,8 +136,7 @@ class _Group:
         if self.split and opts:
             limit = self.split * best
             for e in opts:
-                s = co.split(e[3], hbm_tokens=hbt, prefix_tokens=e[2] * bs, block_size=bs,
-                             extra_latency_s=self.hits[e[1]][0].queue_delay_s)
+                s = co.split(e[3], hbt, e[2] * bs, bs, self.hits[e[1]][0].queue_delay_s)
                 if s is not None and s[1] + e[4] <= limit:
                     out.append((s[1] + e[4], (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)))
         return out
@@ -210,9 +210,9 @@ class CostBased(RoutingPolicy):
                 cls_map[nd] = g0.node_class(nd)
             cls_list = list(map(cls_map.__getitem__, nodes))
         else:
-            keys = list(zip(map(id, hws), nodes))
+            keys = list(zip(map(id, hws), nodes, strict=True))
             cls_map = {}
-            for k, hw in zip(keys, hws):
+            for k, hw in zip(keys, hws, strict=True):
                 if k not in cls_map:
                     g = groups.get(k[0])
                     if g is None:
@@ -242,22 +242,20 @@ class CostBased(RoutingPolicy):
                         best, bd = t, d
                 costs[i] = best
                 special[i] = bd
-        # The best of every action among the class-priced replicas: each class's least-queued member.
-        distinct = list({id(c): c for c in cls_map.values()}.values())
-        if len(distinct) == 1 and not special:
-            firsts = [(min(range(n), key=qs.__getitem__), distinct[0])]
+        # The best of every action among the class-priced replicas: each class's least-queued member (C loops:
+        # walking the replicas by descending queue, the last write per class is its argmin).
+        if len(set(cls_map.values())) == 1 and not special:
+            firsts = [(min(range(n), key=qs.__getitem__), cls_list[0])]
         else:
-            firsts = []
-            waiting = {id(c) for c in distinct}
-            for i in sorted(range(n), key=qs.__getitem__):
-                if i in special:
-                    continue
-                c = cls_list[i]
-                if id(c) in waiting:
-                    waiting.discard(id(c))
-                    firsts.append((i, c))
-                    if not waiting:
-                        break
+            desc_q = sorted(range(n), key=qs.__getitem__, reverse=True)
+            by_cls = dict(zip(map(cls_list.__getitem__, desc_q), desc_q, strict=True))
+            firsts = [(i, c) for c, i in by_cls.items() if i not in special]
+            if special:  # a class whose least-queued member holds an HBM prefix: its best plain member
+                for c in {c for c, i in by_cls.items() if i in special}:
+                    i = min((j for j in range(n) if cls_list[j] is c and j not in special),
+                            key=qs.__getitem__, default=-1)
+                    if i >= 0:
+                        firsts.append((i, c))
         for i, c in firsts:
             q = qs[i]
             for t, d in c.acts:
@@ -326,8 +324,10 @@ def _explain(
         cached = float(d[4])
         pre = co.prefill(prompt, cached)
         return (
-            f"holder {r.replica_id}: ttft = queue {q:.4f} + prefill({prompt:.0f}−{cached:.0f} cached tok) "
-            f"{pre:.4f} = {total:.4f}s",
+            (
+                f"holder {r.replica_id}: ttft = queue {q:.4f} + prefill({prompt:.0f}−{cached:.0f} cached tok) "
+                f"{pre:.4f} = {total:.4f}s"
+            ),
             {"queue_s": q, "prefill_s": pre, "ttft_s": total},
         )
     hit = hits[hi][0]
@@ -343,9 +343,11 @@ def _explain(
         fetch = co.fetch(cls_index, moved)
         mb = (moved * co.kvb + co.state) / 1e6
         return (
-            f"fetch blocks [{start},{end}) from {where} onto {r.replica_id}: ttft = queue {q:.4f} + shard queue "
-            f"{hit.queue_delay_s:.4f} + fetch({co.lat[cls_index]:.4f} + {mb:.1f} MB / {bw:.1f} GB/s) {fetch:.4f} "
-            f"+ prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s",
+            (
+                f"fetch blocks [{start},{end}) from {where} onto {r.replica_id}: ttft = queue {q:.4f} + shard "
+                f"queue {hit.queue_delay_s:.4f} + fetch({co.lat[cls_index]:.4f} + {mb:.1f} MB / {bw:.1f} GB/s) "
+                f"{fetch:.4f} + prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
+            ),
             {"queue_s": q, "shard_queue_s": hit.queue_delay_s, "fetch_s": fetch, "prefill_s": pre, "ttft_s": total},
         )
     hbm_tokens = float(d[4] - (end - start) * bs)
@@ -353,8 +355,10 @@ def _explain(
     head = co.prefill(head_end, hbm_tokens)
     tail = hit.queue_delay_s + co.fetch(cls_index, c - head_end)
     return (
-        f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) {head:.4f}, "
-        f"shard queue + fetch blocks [{start},{end}) from {where} {tail:.4f}) + prefill({prompt:.0f}−{c:.0f} "
-        f"cached tok) {pre:.4f} = {total:.4f}s",
+        (
+            f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
+            f"{head:.4f}, shard queue + fetch blocks [{start},{end}) from {where} {tail:.4f}) + "
+            f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
+        ),
         {"queue_s": q, "head_s": head, "fetch_s": tail, "prefill_s": pre, "ttft_s": total},
     )

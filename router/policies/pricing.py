@@ -88,7 +88,7 @@ def tier_class(storage: StorageTier, same_node: bool) -> int:
 class HwCoeffs:
     """Per-hardware constants of the cost model (seconds per token, bytes per token, per tier class)."""
 
-    __slots__ = ("lin", "quad", "kvb", "state", "lat", "spb", "tiers")
+    __slots__ = ("kvb", "lat", "lin", "quad", "spb", "state", "tiers")
 
     def __init__(self, hw: Hardware, tier_map: TierMap | None) -> None:
         model = hw.model
@@ -121,7 +121,7 @@ class HwCoeffs:
         return self.lat[cls_index] + (tokens * self.kvb + self.state) * self.spb[cls_index]
 
     def split(
-        self, cls_index: int, *, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
+        self, cls_index: int, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
     ) -> tuple[int, float] | None:
         """Best block boundary ``k`` (in blocks) to compute [hbm, k·bs) while fetching [k·bs, prefix) and the
         overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all."""
@@ -151,7 +151,7 @@ class HwCoeffs:
 class Pricer:
     """Caches ``HwCoeffs`` per ``Hardware`` object (by identity: replicas of one deployment share the object)."""
 
-    __slots__ = ("tier_map", "_cache")
+    __slots__ = ("_cache", "tier_map")
 
     MAX_CACHED = 4096
 
@@ -171,7 +171,9 @@ class Pricer:
 
     def require_tiers(self, policy: str) -> TierMap:
         if self.tier_map is None:
-            raise ValueError(f"policy {policy!r} prices pool fetches and needs a tier_map (router.policies.pricing.TierMap)")
+            raise ValueError(
+                f"policy {policy!r} prices pool fetches and needs a tier_map (router.policies.pricing.TierMap)"
+            )
         return self.tier_map
 
 

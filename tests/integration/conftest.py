@@ -4,8 +4,9 @@
 and three worker nodes added one at a time with node IPs 127.0.0.2, 127.0.0.3, 127.0.0.4 (all loopback on Linux),
 each with 1 CPU and a custom resource ``node_a`` / ``node_b`` / ``node_c``. Ray's files go to a private short
 ``RAY_TMPDIR`` (``/tmp/kvs-XXXX``: Unix socket paths must stay short), auth is disabled, Serve's proxy readiness
-timeout is raised for this slow shared machine, and UCX is kept on loopback. The cluster is stopped with
-``cluster.shutdown()`` at the end of the session — never ``ray stop``, which would kill other people's clusters.
+timeout is raised for this slow shared machine, and UCX is kept on loopback (``UCX_NET_DEVICES=lo``). The cluster
+is stopped with ``cluster.shutdown()`` at the end of the session — never ``ray stop``, which would kill other
+people's clusters.
 
 Run integration tests under the machine-wide lock:
 ``flock /tmp/kvstack-heavy.lock timeout 900 .venv/bin/pytest -m integration tests/integration``.
@@ -30,8 +31,7 @@ CLUSTER_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_health_check_timeout_ms": "30000",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "UCX_NET_DEVICES": "lo",
-    "UCX_TLS": "tcp,self,sm",  # no RDMA hardware here; shared memory and TCP over loopback
+    "UCX_NET_DEVICES": "lo",  # no RDMA hardware here: UCX over loopback (tcp for wire-up, CMA for same-host RMA)
 }
 
 

@@ -35,6 +35,9 @@ from kvpool.shard import (
     stop_shards,
 )
 from kvpool.store import StoreConfig
+from kvpool.transfer import make_endpoint
+from kvpool.transfer.nixl import NixlOptions
+from kvpool.transfer.tcp import TcpOptions
 from tests.integration.conftest import RayCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -51,11 +54,9 @@ class BufferActor:
     """A client process owning a buffer registered with its own transfer endpoint (stands in for a vLLM worker)."""
 
     def __init__(self, backend: str, name: str, nbytes: int) -> None:
-        from kvpool.transfer import make_endpoint
-
         self.mm = mmap.mmap(-1, nbytes)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
-        self.ep = make_endpoint(backend, name)
+        self.ep = make_endpoint(backend, name, options=endpoint_options(backend))
         self.region = self.ep.register(memoryview(self.mm))
 
     def region_id(self) -> int:
@@ -103,6 +104,13 @@ class BufferActor:
         self.ep.close()
 
 
+def endpoint_options(backend: str) -> NixlOptions | TcpOptions:
+    """Loopback transports for this machine (the shards get the same through ShardConfig)."""
+    if backend == "nixl":
+        return NixlOptions(ucx_devices="lo")
+    return TcpOptions(bind_host=ray.util.get_node_ip_address())
+
+
 def decode_result(raw: bytes) -> Any:
     from kvpool.transfer import TransferResult
 
@@ -135,7 +143,12 @@ class Pool:
         return actor
 
 
-@pytest.fixture(scope="module", params=["nixl"])
+def shard_config(shard_id: str, store: StoreConfig, backend: str) -> ShardConfig:
+    nixl = NixlOptions(ucx_devices="lo") if backend == "nixl" else None
+    return ShardConfig(shard_id=shard_id, store=store, backend=backend, sweep_interval_s=0.2, nixl=nixl)
+
+
+@pytest.fixture(scope="module", params=["nixl", "tcp"])
 def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
          ) -> Iterator[Pool]:
     backend = request.param
@@ -145,7 +158,7 @@ def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory, requ
         name = ray_cluster.by_ip(node_ip).name
         store = StoreConfig(slot_bytes=SLOT, dram_slots=DRAM_SLOTS, ssd_dir=os.fspath(root / name),
                             ssd_slots=SSD_SLOTS, reservation_ttl_s=60.0)
-        return ShardConfig(shard_id=f"{backend}-{name}", store=store, backend=backend, sweep_interval_s=0.2)
+        return shard_config(f"{backend}-{name}", store, backend)
 
     shards = start_shards(config, ready_deadline_s=120.0)
     p = Pool(ray_cluster, backend, shards)
@@ -338,7 +351,7 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
 
     def config(node_id: str, node_ip: str) -> ShardConfig:
         store = StoreConfig(slot_bytes=big, dram_slots=32, reservation_ttl_s=60.0)
-        return ShardConfig(shard_id=f"{pool.backend}-victim", store=store, backend=pool.backend)
+        return shard_config(f"{pool.backend}-victim", store, pool.backend)
 
     victim = start_shards(config, include=lambda n: n["NodeManagerAddress"] == ray_cluster.nodes["c"].ip,
                           ready_deadline_s=120.0)[0]
@@ -357,6 +370,8 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
     t0 = time.monotonic()
     n, raw, took = ray.get(ref, timeout=DEADLINE_S + 60.0)
     res = decode_result(raw)
+    print(f"\n[{pool.backend}] shard killed during read #{n}: {len(res.failed)}/{len(ops)} blocks failed, "
+          f"{len(res.ok)} ok, the failing read took {took:.2f}s (deadline {DEADLINE_S}s): {res.error[:120]}")
     assert res.failed, f"no failure reported after {n} reads"
     assert took <= DEADLINE_S + 2.0, f"the failing read took {took:.1f}s, deadline {DEADLINE_S}s"
     assert time.monotonic() - t0 <= DEADLINE_S + 30.0

@@ -93,7 +93,8 @@ def test_router_settings_are_checked() -> None:
     with pytest.raises(ValidationError, match="router.tiers must map 'hbm'"):
         AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g", "tiers": {"local_dram": "x"}}))
     with pytest.raises(ValidationError, match="tiers"):
-        AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g", "tiers": {"hbm": "hbm", "l3": "x"}}))
+        AppConfig.model_validate(_args(router={"model_spec": "m", "gpu_profile": "g",
+                                               "tiers": {"hbm": "hbm", "l3": "x"}}))
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,10 @@ def test_longest_prefix_per_replica_and_shard_tier() -> None:
     )
     m = idx.query(KEYS[:40])
     assert m.hbm == {"r0": 10, "r1": 3}
-    assert sorted(m.pool, key=lambda h: h.tier) == [PoolHit("s0", "node-3", "dram", 5), PoolHit("s0", "node-3", "ssd", 30)]
+    assert sorted(m.pool, key=lambda h: h.tier) == [
+        PoolHit("s0", "node-3", "dram", 5),
+        PoolHit("s0", "node-3", "ssd", 30),
+    ]
     assert idx.query([]).hbm == {} and idx.query(router_keys(3, salt="other")).pool == ()
     idx.apply_replica_batch(rbatch("r0", 1, [(REMOVED, KEYS[7:10])]))
     assert idx.query(KEYS).hbm["r0"] == 7
@@ -152,7 +155,7 @@ def test_bits_are_reused_after_a_holder_goes() -> None:
         idx.apply_replica_batch(rbatch(f"r{i}", 0, [(STORED, KEYS[:i + 1])]))
         if i >= 2:
             idx.remove_source("replica", f"r{i - 2}")
-    assert len(idx._by_bit) <= 3  # noqa: SLF001 (the masks stay small as replicas churn)
+    assert len(idx._by_bit) <= 3  # the masks stay small as replicas churn
     assert idx.query(KEYS).hbm == {"r48": 49, "r49": 50}
 
 

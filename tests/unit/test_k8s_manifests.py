@@ -131,7 +131,18 @@ def test_overlays_change_what_they_should() -> None:
     ssd = [v for v in gpu["template"]["spec"]["volumes"] if v["name"] == "kvpool-ssd"]
     assert ssd == [{"name": "kvpool-ssd", "hostPath": {"path": "/mnt/nvme/kvstack", "type": "DirectoryOrCreate"}}]
     assert serve_app("overlays/local-kind")["args"]["replicas"]["num_gpus"] == 0
-    assert serve_app("overlays/gpu")["args"]["pool"]["dram_bytes"] == 2**40
+    assert serve_app("overlays/gpu")["args"]["pool"]["dram_bytes"] == 512 * 2**30
+
+
+def test_gpu_overlay_runs_the_documented_gpu_config() -> None:
+    """configs/gpu-8xh100.yaml says its `app` section is what k8s/ puts in serveConfigV2: keep that true."""
+    from deployments.app_config import AppConfig
+
+    documented = yaml.safe_load((REPO_ROOT / "configs" / "gpu-8xh100.yaml").read_text())["app"]
+    deployed = serve_app("overlays/gpu")["args"]
+    assert deployed["pool"]["ssd_dir"] == "/var/lib/kvstack/ssd"  # the hostPath as the pod sees it
+    documented["pool"]["ssd_dir"] = deployed["pool"]["ssd_dir"]
+    assert AppConfig.model_validate(deployed) == AppConfig.model_validate(documented)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: no reference kustomize to compare")
@@ -185,8 +196,8 @@ def test_overlay_patch_on_a_reordered_base_fails_loudly(tmp_path: Path) -> None:
     shutil.copytree(K8S, copy_tree, ignore=shutil.ignore_patterns("tools", "__pycache__"))
     base = copy_tree / "base" / "rayservice.yaml"
     text = base.read_text()
-    text = text.replace("              - name: kvpool-ssd\n                emptyDir:", "              - name: kvpool-scratch\n"
-                        "                emptyDir:")
+    volume = "              - name: {}\n                emptyDir:"
+    text = text.replace(volume.format("kvpool-ssd"), volume.format("kvpool-scratch"))
     base.write_text(text)
     with pytest.raises(kustomize_lite.KustomizeError, match="volumes/1/name failed: expected \"kvpool-ssd\""):
         kustomize_lite.render(copy_tree / "overlays" / "gpu")
@@ -433,7 +444,7 @@ BROKEN: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("ssd-disk-not-requested", lambda r: _container(r)["resources"]["requests"].pop("ephemeral-storage"),
      "resources/requests", "ephemeral-storage request 0.0 GiB < pool.ssd_bytes"),
     ("model-not-mounted", lambda r: _container(r)["volumeMounts"].pop(0),
-     "workerGroupSpecs/0", "engine.model_path /models/qwen3-14b is not on a mounted volume"),
+     "workerGroupSpecs/0", "engine.model_path /models/Qwen3-14B is not on a mounted volume"),
     ("ingress-can-land-on-head",
      lambda r: _serve(r, lambda a: a["deployments"][0]["ray_actor_options"].update(num_cpus=0)),
      "headGroupSpec", "ingress replicas (they load the tokenizer) can run here"),
@@ -469,9 +480,8 @@ def test_cli_passes_on_the_repo_and_fails_on_a_broken_overlay(tmp_path: Path, cr
     broken = tmp_path / "k8s"
     shutil.copytree(K8S, broken, ignore=shutil.ignore_patterns("tools", "__pycache__"))
     patch = broken / "overlays" / "local-kind" / "rayservice-cpu.yaml"
-    patch.write_text(patch.read_text().replace("path: /spec/rayClusterConfig/workerGroupSpecs/0/maxReplicas\n  value: 2",
-                                               "path: /spec/rayClusterConfig/workerGroupSpecs/0/maxReplicas\n"
-                                               "  value: \"2\""))
+    op = "path: /spec/rayClusterConfig/workerGroupSpecs/0/maxReplicas\n  value: {}"
+    patch.write_text(patch.read_text().replace(op.format("2"), op.format('"2"')))
     rc = manifest_check.main(["--crds", str(CRD_DIR), str(broken / "overlays" / "local-kind")])
     out = capsys.readouterr().out
     assert rc == 1
@@ -529,7 +539,7 @@ def test_dashboard_has_the_panels_issue_6_asks_for() -> None:
     for needle in ("kvstack_router_ttft_seconds_bucket", "kvstack_router_regret_seconds_bucket",
                    "by (action) (max without (pod, instance, container, endpoint, job) (rate(kvstack_router_decisions",
                    "by (tier) (max without (pod, instance, container, endpoint, job) (rate(kvstack_router_prefix_hit",
-                   "sum by (tier) (kvstack_pool_bytes", "rate(kvstack_pool_transfer_bytes_total"):
+                   "sum by (tier) (kvstack_pool_bytes", "rate(kvstack_transfer_bytes_total"):
         assert needle in exprs, needle
     for title, expr in queries:
         assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]"), title

@@ -25,7 +25,7 @@ def test_private_registry_by_default_and_every_name_prefixed() -> None:
     m1, m2 = PoolMetrics("x"), PoolMetrics("x")
     m1.hit("dram", 5)
     assert m2.value("kvstack_pool_hits_total") == 0  # separate registries: no cross-talk
-    m1.observe_transfer("nixl", "read", 1 << 20, 0.002)
+    m1.evicted("ssd", 2)
     names = {s.name for fam in m1.registry.collect() for s in fam.samples}
     assert names and all(n.startswith(PREFIX) for n in names)
-    assert m1.value("kvstack_pool_transfer_bytes_total", backend="nixl", direction="read") == 1 << 20
+    assert m1.value("kvstack_pool_evictions_total", tier="ssd") == 2

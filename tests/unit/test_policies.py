@@ -297,7 +297,7 @@ def test_only_the_part_beyond_hbm_is_fetched() -> None:
     r = router_replica("r0", "node-0", hbm_prefix_blocks=1000)
     hit = PoolHit("s1", "node-1", "dram", 2000)
     ranking = _decide(router_tier_map(), router_request(2000 * 16), ClusterSnapshot([r], (hit,)), allow_split=False)
-    fetch = [c for c in ranking.candidates if c.action is Action.FETCH][0]
+    fetch = next(c for c in ranking.candidates if c.action is Action.FETCH)
     assert fetch.fetch is not None and (fetch.fetch.start_block, fetch.fetch.end_block) == (1000, 2000)
     hw = r.hw
     tier = router_tier_map().dram_remote
@@ -504,3 +504,48 @@ def test_inflight_assignments_expire_and_are_acknowledged() -> None:
     runner.acknowledge_replica("r0", clock.t + 1)
     runner.acknowledge_replica("r1", clock.t + 1)
     assert runner.inflight("r0") == runner.inflight("r1") == 0
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
+    """The grouped, vectorised cost_based finds the same best and the same best-per-action as pricing every
+    (replica, hit) pair one by one with the plain pricing helpers."""
+    from router.policies.pricing import fetch_candidate, local_candidate
+
+    rng = random.Random(seed)
+    hws = [router_hw(), router_hw(gpu="a100-sxm4-80gb", mfu=0.4), router_hw(model="qwen3.5-27b", mfu=0.3)]
+    n_nodes = rng.randint(1, 6)
+    prompt = rng.choice([16, 700, 4096, 20000])
+    request = router_request(prompt)
+    full = prompt // 16
+    reps = [
+        router_replica(f"r{i}", f"node-{rng.randrange(n_nodes)}", running=rng.randint(0, 5),
+                       queue_delay_s=rng.choice([0.0, 0.0, rng.uniform(0, 0.5)]),
+                       hbm_prefix_blocks=rng.choice([0, 0, rng.randint(0, full + 5)]), hw=rng.choice(hws))
+        for i in range(rng.randint(1, 20))
+    ]
+    hits = tuple(
+        PoolHit(f"s{j}", f"node-{rng.randrange(n_nodes + 2)}", rng.choice(["dram", "ssd"]), rng.randint(0, full + 5),
+                queue_delay_s=rng.choice([0.0, rng.uniform(0, 0.05)]))
+        for j in range(rng.randint(0, 8))
+    )
+    cluster = ClusterSnapshot(reps, hits)
+    tm = _latency_tiers()
+    ranking = _decide(tm, request, cluster, allow_split=False)
+    pricer = Pricer(tm)
+    brute: dict[Action, float] = {}
+    for r in reps:
+        options = [local_candidate(pricer, r, request)]
+        options += [c for h in hits if (c := fetch_candidate(pricer, r, h, request)) is not None]
+        if r.hbm_prefix_blocks and min(r.hbm_prefix_blocks, full):  # RECOMPUTE is always an option too
+            options.append(dataclasses.replace(options[0], action=Action.RECOMPUTE, reused_tokens=0,
+                                               predicted_ttft_s=r.queue_delay_s + pricer.coeffs(r.hw).prefill(prompt, 0)))
+        for c in options:
+            brute[c.action] = min(brute.get(c.action, math.inf), c.predicted_ttft_s)
+    got: dict[Action, float] = {}
+    for c in ranking.candidates:
+        got[c.action] = min(got.get(c.action, math.inf), c.predicted_ttft_s)
+    assert ranking.candidates[0].predicted_ttft_s == pytest.approx(min(brute.values()), rel=1e-9)
+    assert got.keys() == brute.keys()
+    for action, value in brute.items():
+        assert got[action] == pytest.approx(value, rel=1e-9), action

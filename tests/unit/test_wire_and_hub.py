@@ -27,8 +27,8 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-def report(rid: str, seq: int, stored: list[int] = (), removed: list[int] = (), full: bool = False,  # type: ignore[assignment]
-           running: int = 0) -> ReplicaReport:
+def report(rid: str, seq: int, stored: tuple[int, ...] | list[int] = (), removed: tuple[int, ...] | list[int] = (),
+           full: bool = False, running: int = 0) -> ReplicaReport:
     return ReplicaReport(replica_id=rid, node_id=f"node-{rid}", seq=seq, running=running, waiting=0,
                          stored=[k(i) for i in stored], removed=[k(i) for i in removed], full=full)
 
@@ -235,6 +235,19 @@ def test_ledger_nets_deltas_within_a_window() -> None:
     assert set(led.snapshot()) == {k(1), k(5)}
 
 
+def test_ledger_remove_reports_engine_evictions() -> None:
+    led = HbmPrefixLedger(8)
+    led.touch([k(1), k(2), k(3)])
+    led.drain()
+    led.touch([k(4)])
+    led.remove([k(2), k(4), k(99)])  # k4 never reported, k99 never held
+    stored, removed = led.drain()
+    assert stored == [] and set(removed) == {k(2), k(4)}
+    assert set(led.snapshot()) == {k(1), k(3)}
+    led.remove([k(2)])  # already gone: no delta
+    assert led.drain() == ([], [])
+
+
 def test_ledger_clear_removes_everything_including_unreported() -> None:
     led = HbmPrefixLedger(8)
     led.touch([k(1), k(2)])
@@ -297,6 +310,10 @@ def test_readers_converge_on_the_ledgers(seed: int) -> None:
             ledgers[rid].touch([k(start * 100 + j) for j in range(rng.randrange(1, 6))])
         elif op < 0.55 and ledgers:
             ledgers[rng.choice(sorted(ledgers))].clear()
+        elif op < 0.58 and ledgers:
+            led = ledgers[rng.choice(sorted(ledgers))]
+            held = led.snapshot()
+            led.remove(rng.sample(held, min(len(held), rng.randrange(1, 4))) + [k(10**6)])
         elif op < 0.6:
             rid = f"r{rng.randrange(5)}"
             if rid not in ledgers:

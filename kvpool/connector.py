@@ -1,0 +1,145 @@
+"""``KvPoolConnector``: vLLM's KV connector (v1 API) for the kvstack cluster KV pool.
+
+Registered from outside vLLM (``kvpool.connector_config.kv_transfer_config`` builds the config)::
+
+    KVTransferConfig(kv_connector="KvPoolConnector", kv_connector_module_path="kvpool.connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"kvpool": ConnectorConfig(...) as builtins})
+
+vLLM creates one instance per role; this class only dispatches (one file per role):
+- Scheduler role (``kvpool.connector_scheduler.SchedulerSide``), called by vLLM's scheduler:
+  ``get_num_new_matched_tokens`` (side-effect free pool lookup), ``update_state_after_alloc`` (lease),
+  ``build_connector_meta`` (loads, saves, releases on preemption), ``request_finished`` /
+  ``request_finished_all_groups`` (release on finish and abort), ``set_xfer_handshake_metadata`` (the layout).
+- Worker role (``kvpool.connector_worker.WorkerSide``), called by vLLM's model runner:
+  ``register_kv_caches`` (derive + verify the layout, refuse to start when unsure, register memory for transfers),
+  ``get_handshake_metadata``, ``start_load_kv``, ``wait_for_layer_load`` (no-op: a load completes inside
+  ``start_load_kv``), ``save_kv_layer`` (no-op: saves run once per step in ``wait_for_save``), ``wait_for_save``,
+  ``get_transfer_results``, ``get_block_ids_with_load_errors``.
+Messages between the roles: ``kvpool.connector_meta``. Hybrid models (several KV cache groups) are supported
+(``SupportsHMA``): full-attention blocks per block plus the linear-state snapshot at a block boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.connector_config import ConnectorConfig
+from kvpool.connector_meta import KvPoolMetadata
+from kvpool.connector_scheduler import SchedulerSide
+from kvpool.connector_worker import WorkerSide
+
+
+class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        if ktc.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                "KvPoolConnector needs kv_load_failure_policy='recompute' (a block that fails to load is "
+                f"recomputed, never fails the request); got {ktc.kv_load_failure_policy!r}"
+            )
+        self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(self.config, vllm_config, kv_cache_config)
+        else:
+            self.worker_side = WorkerSide(self.config, vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("KvPoolConnector: scheduler method called on the worker role")
+        return self.scheduler_side
+
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("KvPoolConnector: worker method called on the scheduler role")
+        return self.worker_side
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker_side.handshake() if self.worker_side is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker().bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker_side is not None:
+            self.worker_side.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self._worker().wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker().transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, _ = self._worker().transfer_results()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # ------------------------------------------------------------------ scheduler role
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._sched().set_handshake(metadata)
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvPoolMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)

@@ -1,0 +1,88 @@
+"""Messages between the connector's two roles (typed, versioned msgspec structs).
+
+Who sends what:
+- Worker → scheduler, once at startup: ``KvPoolHandshake`` through vLLM's handshake channel
+  (``get_handshake_metadata`` → ``set_xfer_handshake_metadata``): the ``KvLayout`` the worker derived from the
+  tensors it registered. The scheduler takes its fingerprint for block keys and pool calls.
+- Scheduler → worker, every step: ``KvPoolMetadata`` (``build_connector_meta`` → ``bind_connector_metadata``):
+  the loads to run (blocks leased on a shard, and where each goes in the KV cache) and the saves to run after the
+  forward (which engine blocks, under which keys).
+vLLM pickles these between processes; they hold only plain values.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+META_VERSION = 1
+
+
+class RemoteBlock(msgspec.Struct, frozen=True, array_like=True):
+    """One leased pool slot: byte offset in the shard's region, slot length, checksum over the whole slot."""
+
+    offset: int
+    length: int
+    checksum: int
+
+
+class LoadBlock(msgspec.Struct, frozen=True, array_like=True):
+    """Pull ``remote`` into these engine blocks (group id → block id, in the geometry's group order).
+
+    ``remote`` None: the block was not leased (evicted since the lookup): a load error from the start.
+    """
+
+    block_ids: dict[int, int]
+    remote: RemoteBlock | None
+
+
+class LoadSpec(msgspec.Struct, frozen=True):
+    """Everything one request's load needs. ``blocks`` are per-block slots (full attention); ``state`` the
+    boundary state slot of a hybrid (None for dense models). ``all_or_nothing``: any failure fails the whole
+    request (hybrids: vLLM cannot take block-level errors with several groups; a prefix is reusable only with
+    its state anyway)."""
+
+    req_id: str
+    shard_id: str
+    agent_name: str
+    shard_epoch: str
+    region_id: int
+    blocks: list[LoadBlock]
+    state: LoadBlock | None
+    all_or_nothing: bool
+    version: int = META_VERSION
+
+
+class SaveSpec(msgspec.Struct, frozen=True):
+    """Write these engine blocks to the local shard after this step's forward; commit under ``keys``.
+
+    ``blocks[i]`` holds the engine block ids of pool block ``keys[i]``; ``state_key``/``state_block`` a state
+    snapshot (hybrids) taken at a chunk end on a block boundary."""
+
+    req_id: str
+    keys: list[bytes]
+    blocks: list[dict[int, int]]
+    state_key: bytes | None = None
+    state_block: dict[int, int] | None = None
+    version: int = META_VERSION
+
+
+class KvPoolMetadata(KVConnectorMetadata):
+    """Per-step scheduler → worker message."""
+
+    def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec], fingerprint: str) -> None:
+        self.loads = loads
+        self.saves = saves
+        self.fingerprint = fingerprint
+
+    def __repr__(self) -> str:
+        return f"KvPoolMetadata(loads={len(self.loads)}, saves={len(self.saves)})"
+
+
+class KvPoolHandshake(KVConnectorHandshakeMetadata):
+    """Worker → scheduler at startup: the encoded ``KvLayout`` (``kvpool.layout.KvLayout.encode``)."""
+
+    def __init__(self, layout: bytes, slot_bytes_needed: int) -> None:
+        self.layout = layout
+        self.slot_bytes_needed = slot_bytes_needed
+        self.version = META_VERSION

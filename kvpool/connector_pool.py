@@ -1,0 +1,122 @@
+"""The connector's handle on the pool shards: named Ray actors resolved lazily, parallel deadline-bounded lookups.
+
+Who calls what: the connector's scheduler role (lookups, leases, releases) and worker role (transfer metadata,
+reserve / commit / abort of saves) each own one ``PoolShards``. Single calls go through ``kvpool.shard.ShardClient``
+(typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip. A shard that does
+not answer is a miss on the read path (``ShardUnavailableError`` is caught by the callers), never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvpool.connector_config import ConnectorConfig, ShardRef
+
+log = logging.getLogger(__name__)
+
+
+class PoolShards:
+    def __init__(self, cfg: ConnectorConfig) -> None:
+        self._cfg = cfg
+        self._refs: dict[str, ShardRef] = {s.shard_id: s for s in cfg.shards}
+        self._clients: dict[str, Any] = {}
+        self._local: str | None = None
+        self._local_resolved = False
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return list(self._refs)
+
+    def ensure_ray(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=self._cfg.ray_address or "auto",
+                namespace=self._cfg.ray_namespace,
+                logging_level="warning",
+                log_to_driver=False,
+            )
+
+    def client(self, shard_id: str) -> Any:
+        """``ShardClient`` of a shard (``ShardUnavailableError`` if its actor cannot be found)."""
+        from kvpool.shard import ShardClient, ShardUnavailableError
+
+        client = self._clients.get(shard_id)
+        if client is not None:
+            return client
+        ref = self._refs.get(shard_id)
+        if ref is None:
+            raise ShardUnavailableError(f"unknown shard {shard_id!r}; configured: {self.shard_ids}")
+        self.ensure_ray()
+        import ray
+
+        try:
+            handle = ray.get_actor(ref.actor_name, namespace=self._cfg.ray_namespace)
+        except ValueError as exc:
+            raise ShardUnavailableError(f"shard {shard_id}: no actor named {ref.actor_name!r}: {exc}") from exc
+        client = ShardClient(handle, shard_id, deadline_s=self._cfg.lease_deadline_s)
+        self._clients[shard_id] = client
+        return client
+
+    def forget(self, shard_id: str) -> None:
+        """Drop a cached handle (the actor died or restarted); the next call resolves the name again."""
+        self._clients.pop(shard_id, None)
+
+    def local_shard_id(self) -> str | None:
+        """The shard that receives saves: ``local_shard`` or the shard on this process's Ray node."""
+        if not self._local_resolved:
+            self._local_resolved = True
+            if self._cfg.local_shard:
+                self._local = self._cfg.local_shard
+            else:
+                self.ensure_ray()
+                import ray
+
+                node = ray.get_runtime_context().get_node_id()
+                self._local = next((s.shard_id for s in self._cfg.shards if s.node_id == node), None)
+                if self._local is None:
+                    log.warning("kvpool connector: no pool shard on this node (%s); saves are off", node)
+        return self._local
+
+    def lookup_many(
+        self, calls: Sequence[tuple[str, Sequence[bytes]]], fingerprint: str, deadline_s: float
+    ) -> list[Any]:
+        """Run ``lookup(keys)`` on each ``(shard_id, keys)`` at once; the ``LookupResult`` of each, or None where the
+        shard failed or did not answer within ``deadline_s``."""
+        import ray
+
+        from kvpool.shard import POOL_WIRE_VERSION, LookupReply, LookupRequest, ShardUnavailableError
+
+        enc = msgspec.msgpack.Encoder()
+        refs: list[Any] = []
+        for shard_id, keys in calls:
+            try:
+                handle = self.client(shard_id).handle
+                refs.append(handle.lookup.remote(enc.encode(LookupRequest([bytes(k) for k in keys], fingerprint))))
+            except ShardUnavailableError as exc:
+                log.warning("kvpool connector: lookup on %s skipped: %s", shard_id, exc)
+                refs.append(None)
+        live = [r for r in refs if r is not None]
+        ready: set[Any] = set()
+        if live:
+            done, _ = ray.wait(live, num_returns=len(live), timeout=deadline_s)
+            ready = set(done)
+        out: list[Any] = []
+        for (shard_id, _), ref in zip(calls, refs, strict=True):
+            if ref is None or ref not in ready:
+                out.append(None)
+                continue
+            try:
+                reply = msgspec.msgpack.decode(ray.get(ref, timeout=0), type=LookupReply)
+            except Exception as exc:  # a dead actor or a reply we cannot read: a miss, never data
+                log.warning("kvpool connector: lookup on %s failed: %s", shard_id, exc)
+                self.forget(shard_id)
+                out.append(None)
+                continue
+            out.append(reply.result if reply.version == POOL_WIRE_VERSION else None)
+        return out

@@ -1,0 +1,331 @@
+"""The connector's worker role: register the KV memory, pull leased blocks into it, push new blocks to the pool.
+
+vLLM's model runner (one per worker process; in-process engines: the engine-core process) calls, through
+``KvPoolConnector``:
+- ``register_kv_caches(kv_caches)`` once after allocating the KV cache: derives the ``KvLayout`` from the tensors
+  and the KV cache config (``kvpool.connector_layout``) and REFUSES to start (raises) on an unknown layout kind,
+  a layout it cannot describe exactly, or a local shard whose slots are too small for one block. Then it registers
+  every KV storage with a transfer endpoint (``kvpool.transfer``), so bytes move straight between the shard's
+  arena and the KV cache blocks.
+- ``get_handshake_metadata()`` right after: the layout, for the scheduler role.
+- ``start_load_kv`` every step (after the forward for asynchronous loads): for each ``LoadSpec`` one transfer read
+  from the owning shard straight into the cache blocks, then a checksum check per pool slot. A block that fails
+  (peer dead, deadline, checksum, not leased) is a load error: ``get_block_ids_with_load_errors`` (dense) or the
+  whole request in ``failed_recving`` (hybrids, where vLLM cannot take block-level errors); vLLM recomputes.
+- ``wait_for_save`` every step after the forward: one reservation on the local shard for all blocks to save, one
+  transfer write, then ``commit`` with the checksums (the shard verifies them; a block whose write failed simply
+  does not match and is dropped). A failed save is a future miss, never an error.
+- ``get_transfer_results`` every step: the requests whose load finished this step (failed ones included).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvpool.checksum import block_checksum
+from kvpool.connector_config import ConnectorConfig
+from kvpool.connector_layout import (
+    GroupSpans,
+    PoolGeometry,
+    derive_layout,
+    group_kinds,
+    model_digest,
+    pool_plan,
+    tensor_info,
+)
+from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, SaveSpec
+from kvpool.connector_pool import PoolShards
+from kvpool.layout import KvLayout, LayoutError
+from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    loads: int = 0
+    load_failures: int = 0
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    checksum_failures: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    saves: int = 0
+    save_failures: int = 0
+    blocks_committed: int = 0
+    blocks_rejected: int = 0
+    blocks_duplicate: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+
+
+def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint:
+    """The worker's transfer endpoint (client side: it never serves)."""
+    if cfg.backend == "nixl":
+        from kvpool.transfer.nixl import NixlEndpoint, NixlOptions
+
+        return NixlEndpoint(agent_name, options=msgspec.convert(cfg.endpoint_options, NixlOptions))
+    from kvpool.transfer.tcp import TcpEndpoint, TcpOptions
+
+    opts = {"serve": False, **cfg.endpoint_options}
+    return TcpEndpoint(agent_name, options=msgspec.convert(opts, TcpOptions))
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
+        self.plan = pool_plan(group_kinds(kv_cache_config))  # unknown kinds refuse here already
+        name = vllm_config.model_config.served_model_name
+        self.model_id = cfg.model_id or (name[0] if isinstance(name, list) else str(name))
+        hf = vllm_config.model_config.hf_config
+        hf_json = hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf)
+        self.digest = model_digest(hf_json, kv_cache_config, str(vllm_config.cache_config.cache_dtype))
+        self.layout: KvLayout | None = None
+        self.geometry: PoolGeometry | None = None
+        self.endpoint: TransferEndpoint | None = None
+        self.agent_name = f"kvpool-engine-{uuid.uuid4().hex[:12]}"
+        self.shards = PoolShards(cfg)
+        self.stats = WorkerStats()
+        self._arrays: list[np.ndarray] = []  # uint8 views of the KV storages (kept alive while registered)
+        self._regions: list[int] = []  # endpoint region id per storage index
+        self._zero: np.ndarray | None = None
+        self._zero_region = -1
+        self._peer_epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata we hold
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._meta: KvPoolMetadata | None = None
+
+    # ------------------------------------------------------------------ startup
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        import torch
+
+        infos = {name: tensor_info(t) for name, t in kv_caches.items()}
+        layout, geometry, storages = derive_layout(self.model_id, self.digest, self.kv_cache_config, infos)
+        self.layout, self.geometry = layout, geometry
+        log.info("kvpool connector: layout %s, %d-byte blocks, %d-byte states, %d storage(s)",
+                 layout.fingerprint, geometry.block_payload, geometry.state_payload, len(storages))
+        if not self.plan.usable:
+            return
+        self._check_local_slot(geometry.slot_bytes_needed)
+        self.endpoint = make_client_endpoint(self.cfg, self.agent_name)
+        by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
+        for ptr, nbytes in storages:
+            storage = by_ptr[ptr].untyped_storage()
+            u8 = torch.empty(0, dtype=torch.uint8)
+            u8.set_(storage, 0, (nbytes,), (1,))
+            arr = u8.numpy()
+            self._arrays.append(arr)
+            self._regions.append(self.endpoint.register(memoryview(arr)))
+
+    def _check_local_slot(self, needed: int) -> None:
+        """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""
+        local = self.shards.local_shard_id()
+        if local is None:
+            return
+        try:
+            info = self.shards.client(local).info()
+        except Exception as exc:  # an unreachable shard is a runtime miss, not a startup error
+            log.warning("kvpool connector: local shard %s unreachable at startup: %s", local, exc)
+            return
+        if info.slot_bytes < needed:
+            raise LayoutError(
+                f"kvpool shard {local} has {info.slot_bytes}-byte slots but one pool block of this model needs "
+                f"{needed} bytes (layout {self.layout.fingerprint if self.layout else '?'}); refusing to start"
+            )
+
+    def handshake(self) -> KvPoolHandshake | None:
+        if self.layout is None or self.geometry is None:
+            return None
+        return KvPoolHandshake(self.layout.encode(), self.geometry.slot_bytes_needed)
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, meta: Any) -> None:
+        self._meta = meta if isinstance(meta, KvPoolMetadata) else None
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        for spec in meta.loads:
+            self._load(spec)
+            self._finished_recving.add(spec.req_id)
+
+    def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
+        """Trust the shard's current transfer metadata (refetched when the shard restarted)."""
+        assert self.endpoint is not None
+        if self._peer_epochs.get(agent_name) == epoch:
+            return
+        meta = decode_metadata(self.shards.client(shard_id).transfer_metadata())
+        self.endpoint.add_peer(meta)
+        self._peer_epochs[agent_name] = epoch
+
+    def _load(self, spec: LoadSpec) -> None:
+        geo = self.geometry
+        self.stats.loads += 1
+        items: list[tuple[LoadBlock, list[GroupSpans]]] = []
+        if geo is not None:
+            items = [(b, geo.block_groups) for b in spec.blocks]
+            if spec.state is not None:
+                items.append((spec.state, geo.state_groups))
+        failed: set[int] = set()
+        if geo is None or self.endpoint is None or not spec.shard_id:
+            failed = set(range(len(items))) or {-1}
+        else:
+            failed = self._read_and_verify(spec, items, geo)
+        if not failed:
+            self.stats.blocks_loaded += len(items)
+            return
+        self.stats.load_failures += 1
+        self.stats.blocks_failed += len(failed)
+        log.warning("kvpool connector: load of %s from %s: %d of %d slot(s) failed; vLLM recomputes them",
+                    spec.req_id, spec.shard_id or "?", len(failed), len(items))
+        if spec.all_or_nothing:
+            self._failed_recving.add(spec.req_id)
+            return
+        for idx in failed:
+            if 0 <= idx < len(items):
+                self._invalid_blocks.update(items[idx][0].block_ids.values())
+
+    def _read_and_verify(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]],
+                         geo: PoolGeometry) -> set[int]:
+        assert self.endpoint is not None
+        failed: set[int] = set()
+        ops: list[BlockOp] = []
+        owner: list[int] = []
+        for idx, (blk, groups) in enumerate(items):
+            if blk.remote is None:
+                failed.add(idx)
+                continue
+            off = blk.remote.offset
+            for region, loff, length in geo.pieces(groups, blk.block_ids):
+                ops.append(BlockOp(spec.region_id, off, self._regions[region], loff, length))
+                owner.append(idx)
+                off += length
+            if off - blk.remote.offset > blk.remote.length:
+                failed.add(idx)  # the shard's slot is smaller than our block: never data
+        if ops:
+            try:
+                self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
+                t0 = time.perf_counter()
+                result = self.endpoint.read(spec.agent_name, ops, self.cfg.transfer_deadline_s)
+                self.stats.read_seconds += time.perf_counter() - t0
+                self.stats.bytes_read += result.bytes_moved
+                failed.update(owner[i] for i in result.failed)
+            except Exception as exc:  # peer metadata unavailable, shard dead: every block of this load failed
+                log.warning("kvpool connector: read from %s failed: %s", spec.shard_id, exc)
+                self._peer_epochs.pop(spec.agent_name, None)
+                self.shards.forget(spec.shard_id)
+                return set(range(len(items)))
+        for idx, (blk, groups) in enumerate(items):
+            if idx in failed or blk.remote is None:
+                continue
+            if self._checksum(geo.pieces(groups, blk.block_ids), blk.remote.length) != blk.remote.checksum:
+                self.stats.checksum_failures += 1
+                failed.add(idx)
+        return failed
+
+    def _checksum(self, pieces: list[tuple[int, int, int]], slot_bytes: int) -> int:
+        parts = [self._arrays[region][off : off + length] for region, off, length in pieces]
+        payload = sum(length for _, _, length in pieces)
+        if slot_bytes > payload:
+            parts.append(np.zeros(slot_bytes - payload, dtype=np.uint8))
+        return block_checksum(np.concatenate(parts).data)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.saves or self.geometry is None or self.endpoint is None:
+            return
+        local = self.shards.local_shard_id()
+        if local is None:
+            return
+        geo = self.geometry
+        items: list[tuple[bytes, dict[int, int], list[GroupSpans]]] = []
+        for spec in meta.saves:
+            items += [(k, b, geo.block_groups) for k, b in zip(spec.keys, spec.blocks, strict=True)]
+            if spec.state_key is not None and spec.state_block is not None:
+                items.append((spec.state_key, spec.state_block, geo.state_groups))
+        if items:
+            self._save(local, items, meta.fingerprint)
+
+    def _save(self, shard_id: str, items: list[tuple[bytes, dict[int, int], list[GroupSpans]]],
+              fingerprint: str) -> None:
+        assert self.endpoint is not None and self.geometry is not None
+        self.stats.saves += 1
+        reservation_id = None
+        client = None
+        try:
+            client = self.shards.client(shard_id)
+            reply = client.reserve(len(items))
+            res = reply.reservation
+            reservation_id = res.reservation_id
+            items = items[: len(res.offsets)]
+            if not items:
+                return
+            self._ensure_peer(shard_id, reply.agent_name, reply.epoch)
+            ops: list[BlockOp] = []
+            checksums: list[int] = []
+            for (_, ids, groups), slot_off in zip(items, res.offsets, strict=False):
+                pieces = self.geometry.pieces(groups, ids)
+                payload = sum(p[2] for p in pieces)
+                if payload > res.slot_bytes:
+                    raise LayoutError(f"block of {payload} bytes does not fit {res.slot_bytes}-byte slots")
+                off = slot_off
+                for region, loff, length in pieces:
+                    ops.append(BlockOp(reply.region_id, off, self._regions[region], loff, length))
+                    off += length
+                if res.slot_bytes > payload:
+                    ops.append(BlockOp(reply.region_id, off, self._zeros(res.slot_bytes), 0, res.slot_bytes - payload))
+                checksums.append(self._checksum(pieces, res.slot_bytes))
+            t0 = time.perf_counter()
+            result = self.endpoint.write(reply.agent_name, ops, self.cfg.save_deadline_s)
+            self.stats.write_seconds += time.perf_counter() - t0
+            self.stats.bytes_written += result.bytes_moved
+            commit = client.commit(reservation_id, [k for k, _, _ in items], checksums, fingerprint)
+            reservation_id = None
+            self.stats.blocks_committed += len(commit.committed)
+            self.stats.blocks_rejected += len(commit.rejected)
+            self.stats.blocks_duplicate += len(commit.duplicate)
+        except Exception as exc:  # a failed save is a future miss; the reservation is aborted or expires
+            self.stats.save_failures += 1
+            log.warning("kvpool connector: save of %d block(s) to %s failed: %s", len(items), shard_id, exc)
+            self._peer_epochs.clear()
+            if reservation_id is not None and client is not None:
+                try:
+                    client.abort(reservation_id)
+                except Exception:  # noqa: BLE001 - the reservation expires on its own
+                    pass
+
+    def _zeros(self, size: int) -> int:
+        """Region id of a registered zero buffer of at least ``size`` bytes (slot padding)."""
+        assert self.endpoint is not None
+        if self._zero is None or self._zero.size < size:
+            self._zero = np.zeros(size, dtype=np.uint8)
+            self._zero_region = self.endpoint.register(memoryview(self._zero))
+        return self._zero_region
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving incl. failed, failed_recving) since the last call."""
+        done, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return done | failed, failed
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._invalid_blocks = self._invalid_blocks, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
