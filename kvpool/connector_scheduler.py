@@ -47,11 +47,18 @@ class _Match:
     end: int  # one past the last block; for hybrids also the boundary whose state is loaded
 
 
+@dataclass(frozen=True)
+class _Lease:
+    shard_id: str
+    lease_id: int
+    step: int  # scheduler step that took it
+
+
 @dataclass
 class _Req:
     request: Any
     keys: list[BlockKey] | None = None
-    lease: tuple[str, int] | None = None
+    leases: list[_Lease] = field(default_factory=list)
     save_from: int | None = None
 
 
@@ -93,6 +100,7 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._kv_cache_manager: Any = None
+        self._step = 0  # build_connector_meta calls so far
         if not self.plan.usable:
             log.warning("kvpool connector: pool disabled for this model: %s", self.plan.why_unusable)
 
@@ -214,13 +222,13 @@ class SchedulerSide:
             self.shards.forget(match.shard_id)
         leased = list(reply.lease.blocks) if reply is not None else []
         if reply is not None and reply.lease.lease_id:
-            r.lease = (match.shard_id, reply.lease.lease_id)
+            r.leases.append(_Lease(match.shard_id, reply.lease.lease_id, self._step))
             self.stats.leases_taken += 1
             self.stats.note(f"lease {request.request_id} {match.shard_id} {reply.lease.lease_id}")
         if len(leased) < len(lease_keys):
             self.stats.leases_short += 1
-            if self.plan.hybrid and r.lease is not None:
-                self._release(request.request_id, "short")  # useless without every block and the state
+            if self.plan.hybrid and reply is not None and reply.lease.lease_id:
+                self._release(request.request_id, "short", only=reply.lease.lease_id)  # useless without the state
         self._queue_load(request.request_id, match.shard_id, reply, match.start, match.end, block_ids, leased)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
@@ -251,13 +259,16 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, so: Any) -> KvPoolMetadata:
+        # A request preempted in this step may have been re-admitted (and leased again) in the same schedule()
+        # call: release only the leases of earlier steps.
         for rid in so.preempted_req_ids or ():
             r = self._reqs.get(rid)
             if r is not None:
-                if r.lease is not None:
+                if any(lease.step < self._step for lease in r.leases):
                     self.stats.preempted_releases += 1
-                    self._release(rid, "preempted")
-                r.save_from = None
+                    self._release(rid, "preempted", before_step=self._step)
+                if not any(lease.step == self._step for lease in r.leases):
+                    r.save_from = None
         saves: list[SaveSpec] = []
         if self.cfg.save and self.plan.usable and self.fingerprint is not None and self.shards.local_shard_id():
             for new in so.scheduled_new_reqs:
@@ -269,6 +280,7 @@ class SchedulerSide:
                                 rid in cached.resumed_req_ids, saves)
         meta = KvPoolMetadata(self._pending_loads, saves, self.fingerprint or "")
         self._pending_loads = []
+        self._step += 1
         return meta
 
     def _plan_save(self, rid: str, computed: int, scheduled: int, first: bool, out: list[SaveSpec]) -> None:
@@ -322,23 +334,29 @@ class SchedulerSide:
         self._matches.pop(rid, None)
         return False, None
 
-    def _release(self, rid: str, why: str) -> None:
+    def _release(self, rid: str, why: str, *, before_step: int | None = None, only: int | None = None) -> None:
+        """Release the request's leases (all, those taken before ``before_step``, or the one ``only``)."""
         r = self._reqs.get(rid)
-        if r is None or r.lease is None:
+        if r is None:
             return
-        shard_id, lease_id = r.lease
-        r.lease = None
-        try:
-            self.shards.client(shard_id).release(lease_id)
-            self.stats.leases_released += 1
-            self.stats.note(f"release {rid} {shard_id} {lease_id} {why}")
-        except Exception as exc:  # the lease expires on its own (ttl); never fail a request over a release
-            self.stats.release_failures += 1
-            log.warning("kvpool connector: release of lease %s on %s failed: %s", lease_id, shard_id, exc)
+        keep: list[_Lease] = []
+        for lease in r.leases:
+            if (before_step is not None and lease.step >= before_step) or (only is not None and lease.lease_id != only):
+                keep.append(lease)
+                continue
+            try:
+                self.shards.client(lease.shard_id).release(lease.lease_id)
+                self.stats.leases_released += 1
+                self.stats.note(f"release {rid} {lease.shard_id} {lease.lease_id} {why}")
+            except Exception as exc:  # the lease expires on its own (ttl); never fail a request over a release
+                self.stats.release_failures += 1
+                log.warning("kvpool connector: release of lease %s on %s failed: %s", lease.lease_id,
+                            lease.shard_id, exc)
+        r.leases = keep
 
-    def held_leases(self) -> dict[str, tuple[str, int]]:
-        """Request id → (shard, lease id) currently held (tests, debugging)."""
-        return {rid: r.lease for rid, r in self._reqs.items() if r.lease is not None}
+    def held_leases(self) -> dict[str, list[tuple[str, int]]]:
+        """Request id → [(shard, lease id)] currently held (tests, debugging)."""
+        return {rid: [(x.shard_id, x.lease_id) for x in r.leases] for rid, r in self._reqs.items() if r.leases}
 
     def handshake_type(self) -> type:
         return KvPoolHandshake

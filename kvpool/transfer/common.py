@@ -103,25 +103,32 @@ REMOTE_REGION, REMOTE_OFFSET, LOCAL_REGION, LOCAL_OFFSET, LENGTH = range(5)
 
 
 class OpTable:
-    """The ops of one call as an (N, 5) int64 array (columns as in ``BlockOp``), validated against region sizes."""
+    """The ops of one call as rows and an (N, 5) int64 array (columns as in ``BlockOp``), validated up front.
 
-    __slots__ = ("arr",)
+    Small batches are checked row by row in Python (numpy's per-call overhead dominates there); large ones with a
+    vectorized mask, and only the first offending row is explained.
+    """
+
+    __slots__ = ("rows", "_arr")
+
+    SMALL = 32
 
     def __init__(self, ops: Sequence[BlockOp]) -> None:
-        if ops:
-            self.arr = np.array(
-                [(o.remote_region, o.remote_offset, o.local_region, o.local_offset, o.length) for o in ops],
-                dtype=np.int64,
-            )
-        else:
-            self.arr = np.zeros((0, 5), dtype=np.int64)
+        self.rows = [(o.remote_region, o.remote_offset, o.local_region, o.local_offset, o.length) for o in ops]
+        self._arr: np.ndarray | None = None
+
+    @property
+    def arr(self) -> np.ndarray:
+        if self._arr is None:
+            self._arr = np.array(self.rows, dtype=np.int64).reshape(-1, 5)
+        return self._arr
 
     def __len__(self) -> int:
-        return int(self.arr.shape[0])
+        return len(self.rows)
 
     @property
     def total_bytes(self) -> int:
-        return int(self.arr[:, LENGTH].sum())
+        return sum(row[LENGTH] for row in self.rows)
 
     def check_local(self, regions: Mapping[int, int]) -> None:
         self._check(LOCAL_REGION, LOCAL_OFFSET, regions, "local", "")
@@ -130,35 +137,48 @@ class OpTable:
         self._check(REMOTE_REGION, REMOTE_OFFSET, regions, "remote", f" of peer {peer!r}")
 
     def _check(self, region_col: int, offset_col: int, regions: Mapping[int, int], side: str, where: str) -> None:
-        if not len(self):
+        if len(self.rows) <= self.SMALL:
+            for i, row in enumerate(self.rows):
+                _check_row(i, row, region_col, offset_col, regions, side, where)
             return
         arr = self.arr
-        bad_len = np.flatnonzero(arr[:, LENGTH] <= 0)
-        if bad_len.size:
-            i = int(bad_len[0])
-            raise ValueError(f"op {i}: length {int(arr[i, LENGTH])} must be > 0")
-        ids = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
-        sizes = np.fromiter(regions.values(), dtype=np.int64, count=len(regions))
-        order = np.argsort(ids)
-        ids, sizes = ids[order], sizes[order]
-        pos = np.searchsorted(ids, arr[:, region_col])
-        pos_clipped = np.minimum(pos, max(len(ids) - 1, 0))
-        known = (pos < len(ids)) & (ids[pos_clipped] == arr[:, region_col]) if len(ids) else np.zeros(len(arr), bool)
-        unknown = np.flatnonzero(~known)
-        if unknown.size:
-            i = int(unknown[0])
-            raise ValueError(
-                f"op {i}: unknown {side} region {int(arr[i, region_col])}{where} (known: {sorted(int(x) for x in ids)})"
-            )
-        size = sizes[pos_clipped]
-        start = arr[:, offset_col]
-        out = np.flatnonzero((start < 0) | (start + arr[:, LENGTH] > size))
-        if out.size:
-            i = int(out[0])
-            raise ValueError(
-                f"op {i}: {side} range [{int(start[i])}, {int(start[i] + arr[i, LENGTH])}) is outside region "
-                f"{int(arr[i, region_col])}{where} of {int(size[i])} bytes"
-            )
+        region, start, length = arr[:, region_col], arr[:, offset_col], arr[:, LENGTH]
+        if len(regions) == 1:
+            ((only_id, only_size),) = regions.items()
+            bad = (region != only_id) | (start + length > only_size)
+        else:
+            ids = np.array(sorted(regions), dtype=np.int64)
+            sizes = np.array([regions[int(i)] for i in ids], dtype=np.int64)
+            pos = np.minimum(np.searchsorted(ids, region), max(len(ids) - 1, 0))
+            if len(ids):
+                bad = (ids[pos] != region) | (start + length > sizes[pos])
+            else:
+                bad = np.ones(len(arr), dtype=bool)
+        bad |= (length <= 0) | (start < 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            _check_row(i, self.rows[i], region_col, offset_col, regions, side, where)
+
+
+def _check_row(
+    i: int,
+    row: tuple[int, int, int, int, int],
+    region_col: int,
+    offset_col: int,
+    regions: Mapping[int, int],
+    side: str,
+    where: str,
+) -> None:
+    region, start, length = row[region_col], row[offset_col], row[LENGTH]
+    if length <= 0:
+        raise ValueError(f"op {i}: length {length} must be > 0")
+    size = regions.get(region)
+    if size is None:
+        raise ValueError(f"op {i}: unknown {side} region {region}{where} (known: {sorted(regions)})")
+    if start < 0 or start + length > size:
+        raise ValueError(
+            f"op {i}: {side} range [{start}, {start + length}) is outside region {region}{where} of {size} bytes"
+        )
 
 
 def all_failed(n: int, seconds: float, error: str) -> TransferResult:

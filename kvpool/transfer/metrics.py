@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -42,16 +43,28 @@ class TransferMetrics:
             registry=registry,
         )
 
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
+
     def observe(self, backend: str, direction: str, result: TransferResult) -> None:
         n = len(result.ok) + len(result.failed)
         if n == 0:
             return
-        self.ops.labels(backend, direction).inc(n)
+        children = self._children.get((backend, direction))
+        if children is None:
+            children = (
+                self.ops.labels(backend, direction),
+                self.bytes.labels(backend, direction),
+                self.failed_ops.labels(backend, direction),
+                self.seconds.labels(backend, direction),
+            )
+            self._children[(backend, direction)] = children
+        ops, moved, failed, seconds = children
+        ops.inc(n)
         if result.bytes_moved:
-            self.bytes.labels(backend, direction).inc(result.bytes_moved)
+            moved.inc(result.bytes_moved)
         if result.failed:
-            self.failed_ops.labels(backend, direction).inc(len(result.failed))
-        self.seconds.labels(backend, direction).observe(result.seconds)
+            failed.inc(len(result.failed))
+        seconds.observe(result.seconds)
 
 
 _shared: weakref.WeakKeyDictionary[CollectorRegistry, TransferMetrics] = weakref.WeakKeyDictionary()

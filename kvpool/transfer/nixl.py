@@ -168,7 +168,9 @@ class _Prepped:
 
     handle: Any
     block: int
-    first_index: dict[int, int]  # region id -> index of its first block
+    region_ids: np.ndarray  # sorted region ids
+    first_index: np.ndarray  # index of each region's first block, aligned with region_ids
+    first_of: dict[int, int]  # the same as a dict (small batches)
 
 
 @dataclass
@@ -385,20 +387,36 @@ class NixlEndpoint(TransferEndpoint):
         self._release(handle)
 
     def _make_request(self, op: str, peer: _Peer, table: OpTable) -> Any:
-        arr = table.arr
-        lengths = arr[:, LENGTH]
-        block = int(lengths[0])
-        if self._options.prepped and bool((lengths == block).all()):
-            aligned = not (arr[:, LOCAL_OFFSET] % block).any() and not (arr[:, REMOTE_OFFSET] % block).any()
-            if aligned:
-                local = self._prepped(self._local_prepped, _LOCAL, block, self._regions_as_nixl())
-                remote = self._prepped(peer.prepped, peer.nixl_name, block, peer.regions)
-                if local is not None and remote is not None:
+        rows = table.rows
+        block = rows[0][LENGTH]
+        small = len(rows) <= OpTable.SMALL  # plain Python beats numpy's per-call overhead on a few rows
+        if small:
+            uniform = all(
+                r[LENGTH] == block and r[LOCAL_OFFSET] % block == 0 and r[REMOTE_OFFSET] % block == 0 for r in rows
+            )
+        else:
+            arr = table.arr
+            uniform = bool(
+                (arr[:, LENGTH] == block).all()
+                and not (arr[:, LOCAL_OFFSET] % block).any()
+                and not (arr[:, REMOTE_OFFSET] % block).any()
+            )
+        if self._options.prepped and uniform:
+            local = self._prepped(self._local_prepped, _LOCAL, block, self._regions_as_nixl())
+            remote = self._prepped(peer.prepped, peer.nixl_name, block, peer.regions)
+            if local is not None and remote is not None:
+                if small:
+                    lfirst, rfirst = local.first_of, remote.first_of
+                    local_idx: Any = [lfirst[r[LOCAL_REGION]] + r[LOCAL_OFFSET] // block for r in rows]
+                    remote_idx: Any = [rfirst[r[REMOTE_REGION]] + r[REMOTE_OFFSET] // block for r in rows]
+                else:
                     local_idx = _indices(local, arr[:, LOCAL_REGION], arr[:, LOCAL_OFFSET])
                     remote_idx = _indices(remote, arr[:, REMOTE_REGION], arr[:, REMOTE_OFFSET])
-                    return self._agent.make_prepped_xfer(
-                        op, local.handle, local_idx, remote.handle, remote_idx, backends=[self._options.backend]
-                    )
+                return self._agent.make_prepped_xfer(
+                    op, local.handle, local_idx, remote.handle, remote_idx, backends=[self._options.backend]
+                )
+        arr = table.arr
+        lengths = arr[:, LENGTH]
         local_base = _bases(arr[:, LOCAL_REGION], {rid: r.addr for rid, r in self._regions.items()})
         remote_base = _bases(arr[:, REMOTE_REGION], {rid: r.addr for rid, r in peer.regions.items()})
         local_descs = _descs(local_base + arr[:, LOCAL_OFFSET].astype(np.uint64), lengths)
@@ -433,7 +451,14 @@ class NixlEndpoint(TransferEndpoint):
             at += count
         descs[:, 1] = block
         handle = self._agent.prep_xfer_dlist(agent, descs, _DRAM, backends=[self._options.backend])
-        prepped = _Prepped(handle=handle, block=block, first_index=first)
+        ids = np.array(sorted(first), dtype=np.int64)
+        prepped = _Prepped(
+            handle=handle,
+            block=block,
+            region_ids=ids,
+            first_index=np.array([first[int(i)] for i in ids], np.int64),
+            first_of=first,
+        )
         cache[block] = prepped
         return prepped
 
@@ -472,8 +497,8 @@ def _descs(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _indices(prepped: _Prepped, region_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    ids = np.fromiter(prepped.first_index.keys(), dtype=np.int64, count=len(prepped.first_index))
-    firsts = np.fromiter(prepped.first_index.values(), dtype=np.int64, count=len(prepped.first_index))
-    order = np.argsort(ids)
-    base = firsts[order][np.searchsorted(ids[order], region_ids)]
+    if len(prepped.region_ids) == 1:
+        base: np.ndarray | int = int(prepped.first_index[0])
+    else:
+        base = prepped.first_index[np.searchsorted(prepped.region_ids, region_ids)]
     return (base + offsets // prepped.block).astype(np.int32)

@@ -388,11 +388,9 @@ class TcpEndpoint(TransferEndpoint):
     def _run(
         self, direction: str, peer: _Peer, table: OpTable, views: dict[int, memoryview], deadline: Deadline
     ) -> TransferResult:
-        arr = table.arr
-        spans = [(int(r), int(o), int(n)) for r, o, n in arr[:, [REMOTE_REGION, REMOTE_OFFSET, LENGTH]]]
-        local = [
-            views[int(r)][int(o) : int(o) + int(n)] for r, o, n in arr[:, [LOCAL_REGION, LOCAL_OFFSET, LENGTH]]
-        ]
+        rows = table.rows
+        spans = [(r[REMOTE_REGION], r[REMOTE_OFFSET], r[LENGTH]) for r in rows]
+        local = [views[r[LOCAL_REGION]][r[LOCAL_OFFSET] : r[LOCAL_OFFSET] + r[LENGTH]] for r in rows]
         request = _encoder.encode(TcpRequest(TCP_WIRE_VERSION, direction, peer.meta.agent_name, peer.meta.epoch, spans))
         attempts = 2  # a pooled connection may have gone stale: one retry on a fresh one
         done = 0
@@ -410,11 +408,10 @@ class TcpEndpoint(TransferEndpoint):
                 break
         if not error:
             return all_ok(table, deadline.elapsed())
-        lengths = arr[:, LENGTH]
         return TransferResult(
             ok=list(range(done)),
             failed=list(range(done, len(table))),
-            bytes_moved=int(lengths[:done].sum()),
+            bytes_moved=sum(r[LENGTH] for r in rows[:done]),
             seconds=deadline.elapsed(),
             error=f"peer {peer.meta.agent_name!r}: {error}",
         )
