@@ -2,7 +2,8 @@
 
 What one run measures, interleaved repeat by repeat (so a busy neighbour slows every series alike), each reported as
 GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
-- ``memcpy``: ``numpy.copyto`` of ``--total-mib`` contiguous bytes (the memory-bandwidth ceiling of one core).
+- ``memcpy``: ``numpy.copyto`` of ``--total-mib`` contiguous bytes (the memory-bandwidth ceiling of one core);
+  ``memcpy_gather``: the same bytes as shuffled blocks of each size gathered by one ``numpy.take``.
 - ``tcp_socket``: a bare Python TCP socket between two processes (``sendall`` / ``recv_into``, 1 MiB chunks).
 - ``transports``: ``TransferEndpoint.read`` (and ``write`` at the largest batch) between this process and a
   spawned peer process, per backend (nixl, tcp), block size (64 KiB, 1 MiB) and batch (ops per call, 1..1024).
@@ -15,7 +16,7 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   ``kvpool.transfer.file_io.BlockFileIO`` (engines ``nixl_posix`` and ``preadv``, O_DIRECT) reading every block
   of the file in shuffled order, ``--batches`` max ops per call.
 
-Ratios per block size (largest batch): ``nixl_over_memcpy``, ``nixl_over_tcp`` (NIXL read / bare TCP socket),
+Ratios per block size (largest batch): ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read / bare TCP socket),
 ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (default file engine / direct read).
 
 Output: a table, or JSON to stdout with ``--json``; ``--out FILE`` also writes the JSON. Run under the heavy lock:
@@ -196,6 +197,13 @@ def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
     t0 = time.perf_counter()
     np.copyto(dst, src)
     return src.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _gather_once(src2d: np.ndarray, dst2d: np.ndarray, perm: np.ndarray) -> float:
+    """The same shuffled blocks as a transport cell, gathered by one ``np.take`` (one pass, no temporary)."""
+    t0 = time.perf_counter()
+    np.take(src2d, perm, axis=0, out=dst2d)
+    return dst2d.nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def _raw_tcp_once(sock: socket.socket, buf: memoryview, nbytes: int) -> float:
@@ -413,6 +421,8 @@ class _RayClient:
             chunks = [ops[i : i + batch] for i in range(0, len(ops), batch)]
             nbytes = len(ops) * block
             for direction, fn in (("write", self.ep.write), ("read", self.ep.read)):
+                for chunk in chunks:  # warm-up: connection, prepared descriptor lists
+                    fn(self.meta.agent_name, chunk, deadline_s)
                 runs = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -483,16 +493,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for cell in cells.values():  # warm-up: connections, prepared descriptor lists, page faults
             cell.once()
         memcpy_runs: list[float] = []
+        gather_runs: dict[int, list[float]] = {b: [] for b in block_sizes}
+        perms = {b: np.random.default_rng(b).permutation(region_bytes // b) for b in block_sizes}
         tcp_runs: list[float] = []
         cell_runs: dict[tuple[str, str, int, int], list[float]] = {k: [] for k in cells}
         view = memoryview(local)
         for _ in range(repeats):
             memcpy_runs.append(_memcpy_once(src, local))
+            for b in block_sizes:
+                gather_runs[b].append(_gather_once(src.reshape(-1, b), local.reshape(-1, b), perms[b]))
             tcp_runs.append(_raw_tcp_once(raw, view, region_bytes))
             for key, cell in cells.items():
                 cell_runs[key].append(cell.once())
         raw.close()
         result["memcpy"] = {"bytes": region_bytes, **_series(memcpy_runs)}
+        result["memcpy_gather"] = {_label(b): _series(r) for b, r in gather_runs.items()}
         result["tcp_socket"] = {"bytes": region_bytes, **_series(tcp_runs)}
         transports: dict[str, Any] = {}
         for (b, direction, block, batch), runs in cell_runs.items():
@@ -586,6 +601,7 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
         tcp_ep = med("transports", "tcp", "read", label, str(batch))
         out[label] = {
             "nixl_over_memcpy": div(nixl, memcpy),
+            "nixl_over_memcpy_gather": div(nixl, med("memcpy_gather", label)),
             "nixl_over_tcp": div(nixl, tcp),
             "tcp_endpoint_over_tcp_socket": div(tcp_ep, tcp),
             "ssd_over_direct_read": div(med("file", file_engine, label), med("file", "direct_read")),

@@ -1,6 +1,9 @@
 """Start the KV pool: one named ``PoolShard`` per worker node, sized from the app config.
 
-Who calls it: ``kvstack serve`` after the cluster is up (and the k8s head's startup hook via the same function).
+Who calls it: ``kvstack serve`` after the cluster is up (``start_pool``: every worker node at once) and every
+replica before its engine starts (``ensure_local_shard``: its own node; this is how nodes that KubeRay's
+autoscaler adds get a shard). Shards are detached named actors: they outlive any one replica and are stopped by
+whoever tears the pool down (``kvstack serve`` on exit; on Kubernetes, the node going away).
 Shard names come from ``kvpool.shard_registry`` so connectors and routers find them by node. The slot size is one
 KV block of the model's layout (all full-attention layers of ``block_size`` tokens, plus the linear-state page for
 hybrids), derived from the model's config.json; the connector refuses a pool whose slot size does not match the
@@ -24,24 +27,44 @@ def block_slot_bytes(cfg: AppConfig) -> int:
     return per_token * cfg.engine.block_size
 
 
-def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[ShardHandle]:
+def shard_config(cfg: AppConfig, node_id: str) -> ShardConfig:
+    """The shard of ``node_id``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<node>``."""
     pool = cfg.pool
     slot = block_slot_bytes(cfg)
-    dram_slots = max(1, pool.dram_bytes // slot)
     ssd_slots = pool.ssd_bytes // slot if pool.ssd_dir else 0
+    ssd_dir = str(Path(pool.ssd_dir).resolve() / node_id[:12]) if ssd_slots else ""
+    return ShardConfig(
+        shard_id=node_id[:12],
+        store=StoreConfig(slot_bytes=slot, dram_slots=max(1, pool.dram_bytes // slot), ssd_dir=ssd_dir,
+                          ssd_slots=ssd_slots),
+        backend=pool.transfer_backend,
+        metrics_port=pool.metrics_port or 0,
+    )
 
-    def config_for(node_id: str, node_ip: str) -> ShardConfig:
-        ssd_dir = str(Path(pool.ssd_dir).resolve() / node_id[:12]) if ssd_slots else ""
-        return ShardConfig(
-            shard_id=node_id[:12],
-            store=StoreConfig(slot_bytes=slot, dram_slots=dram_slots, ssd_dir=ssd_dir, ssd_slots=ssd_slots),
-            backend=pool.transfer_backend,
-            metrics_port=pool.metrics_port or 0,
-        )
 
+def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[ShardHandle]:
+    """One shard per worker node (nodes with CPUs; a 0-CPU head gets none), named for discovery."""
     return start_shards(
-        config_for,
+        lambda node_id, _ip: shard_config(cfg, node_id),
         actor_name=shard_actor_name,
         namespace=SHARD_NAMESPACE,
+        actor_options={"get_if_exists": True, "lifetime": "detached"},
         ready_deadline_s=ready_deadline_s,
     )
+
+
+def ensure_local_shard(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> ShardHandle:
+    """The shard of the caller's node, started if this node has none yet (a replica calls this before its engine
+    starts, so nodes added later by the autoscaler — KubeRay — get their shard with their first replica)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    (handle,) = start_shards(
+        lambda nid, _ip: shard_config(cfg, nid),
+        include=lambda n: n["NodeID"] == node_id,
+        actor_name=shard_actor_name,
+        namespace=SHARD_NAMESPACE,
+        actor_options={"get_if_exists": True, "lifetime": "detached"},
+        ready_deadline_s=ready_deadline_s,
+    )
+    return handle

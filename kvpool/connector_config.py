@@ -29,19 +29,20 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything the connector needs; defaults in one place.
 
     - ``model_id``: the block-key namespace's model id ("" = vLLM's served model name).
-    - ``shards``: every pool shard the connector may read from; ``local_shard`` (or, when empty, the shard whose
-      ``node_id`` is this process's Ray node) receives saves. ``lookup_remote``: also look up the other shards
+    - ``shards``: every pool shard the connector may read from; empty = discover the named shards of
+      ``kvpool.shard_registry`` (one per node, refreshed when a shard is missing). ``local_shard`` (or, when empty,
+      the shard whose ``node_id`` is this process's Ray node) receives saves. ``lookup_remote``: also look up the other shards
       (one parallel round trip); off = local shard only (a router plan can still name another shard).
     - ``backend``: the transfer implementation (``kvpool.transfer``), must match the shards'.
     - Deadlines in seconds: every wait is bounded. ``lease_ttl_s`` bounds how long a crashed engine can pin blocks.
     - ``load`` / ``save``: switch either direction off (e.g. a read-only replica).
     """
 
-    shards: list[ShardRef]
+    shards: list[ShardRef] = []
     model_id: str = ""
     local_shard: str = ""
     lookup_remote: bool = True
-    ray_namespace: str = "kvstack"
+    ray_namespace: str = "kvstack"  # where the named shard actors live (kvpool.shard_registry.SHARD_NAMESPACE)
     ray_address: str = ""
     backend: Literal["nixl", "tcp"] = "nixl"
     endpoint_options: dict[str, str | int | float | bool] = {}
@@ -60,22 +61,19 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ids = [s.shard_id for s in self.shards]
         if len(set(ids)) != len(ids):
             raise ValueError(f"kvpool connector: duplicate shard ids {ids}")
-        if self.local_shard and self.local_shard not in ids:
+        if self.shards and self.local_shard and self.local_shard not in ids:
             raise ValueError(f"kvpool connector: local_shard {self.local_shard!r} is not among shards {ids}")
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Parse ``kv_connector_extra_config``; a missing or malformed ``kvpool`` entry is a clear error."""
-        if not extra or EXTRA_KEY not in extra:
-            raise ValueError(
-                f"kvpool connector: kv_connector_extra_config needs a {EXTRA_KEY!r} entry "
-                "(build it with kvpool.connector_config.kv_transfer_config)"
-            )
+        """Parse ``kv_connector_extra_config`` (empty = all defaults); a malformed entry is a clear error."""
+        if not extra:
+            return ConnectorConfig()
         unknown = set(extra) - {EXTRA_KEY}
         if unknown:
             raise ValueError(f"kvpool connector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         try:
-            return msgspec.convert(extra[EXTRA_KEY], ConnectorConfig)
+            return msgspec.convert(extra.get(EXTRA_KEY, {}), ConnectorConfig)
         except msgspec.ValidationError as exc:
             raise ValueError(f"kvpool connector: bad configuration: {exc}") from exc
 

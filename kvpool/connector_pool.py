@@ -9,6 +9,7 @@ not answer is a miss on the read path (``ShardUnavailableError`` is caught by th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,18 +19,41 @@ from kvpool.connector_config import ConnectorConfig, ShardRef
 
 log = logging.getLogger(__name__)
 
+REDISCOVER_S = 10.0  # at most one registry listing per this many seconds
+
 
 class PoolShards:
     def __init__(self, cfg: ConnectorConfig) -> None:
         self._cfg = cfg
         self._refs: dict[str, ShardRef] = {s.shard_id: s for s in cfg.shards}
+        self._discover = not cfg.shards
+        self._discovered_at = -REDISCOVER_S
         self._clients: dict[str, Any] = {}
         self._local: str | None = None
         self._local_resolved = False
 
     @property
     def shard_ids(self) -> list[str]:
+        self._maybe_discover()
         return list(self._refs)
+
+    def _maybe_discover(self, force: bool = False) -> None:
+        """Refresh the shard list from the named actors of ``kvpool.shard_registry`` (discovery mode only)."""
+        now = time.monotonic()
+        if not self._discover or (not force and self._refs and now - self._discovered_at < REDISCOVER_S):
+            return
+        if now - self._discovered_at < 1.0:
+            return
+        self._discovered_at = now
+        self.ensure_ray()
+        from kvpool.shard_registry import list_shards, shard_actor_name
+
+        try:
+            found = list_shards(self._cfg.ray_namespace)
+        except Exception as exc:  # the GCS is busy or gone: keep what we have
+            log.warning("kvpool connector: shard discovery failed: %s", exc)
+            return
+        self._refs = {s.shard_id: ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in found}
 
     def ensure_ray(self) -> None:
         import ray
@@ -51,6 +75,9 @@ class PoolShards:
             return client
         ref = self._refs.get(shard_id)
         if ref is None:
+            self._maybe_discover(force=True)
+            ref = self._refs.get(shard_id)
+        if ref is None:
             raise ShardUnavailableError(f"unknown shard {shard_id!r}; configured: {self.shard_ids}")
         self.ensure_ray()
         import ray
@@ -69,18 +96,21 @@ class PoolShards:
 
     def local_shard_id(self) -> str | None:
         """The shard that receives saves: ``local_shard`` or the shard on this process's Ray node."""
-        if not self._local_resolved:
-            self._local_resolved = True
-            if self._cfg.local_shard:
-                self._local = self._cfg.local_shard
-            else:
-                self.ensure_ray()
-                import ray
+        if self._cfg.local_shard:
+            return self._cfg.local_shard
+        if self._local is not None and self._local in self._refs:
+            return self._local
+        if self._local_resolved and not self._discover:
+            return None
+        self.ensure_ray()
+        import ray
 
-                node = ray.get_runtime_context().get_node_id()
-                self._local = next((s.shard_id for s in self._cfg.shards if s.node_id == node), None)
-                if self._local is None:
-                    log.warning("kvpool connector: no pool shard on this node (%s); saves are off", node)
+        node = ray.get_runtime_context().get_node_id()
+        self._maybe_discover()
+        self._local = next((s.shard_id for s in self._refs.values() if s.node_id == node), None)
+        if self._local is None and not self._local_resolved:
+            log.warning("kvpool connector: no pool shard on this node (%s); saves are off until one appears", node)
+        self._local_resolved = True
         return self._local
 
     def lookup_many(
