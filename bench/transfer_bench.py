@@ -16,8 +16,9 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   ``kvpool.transfer.file_io.BlockFileIO`` (engines ``nixl_posix`` and ``preadv``, O_DIRECT) reading every block
   of the file in shuffled order, ``--batches`` max ops per call.
 
-Ratios per block size (largest batch): ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read / bare TCP socket),
-``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (default file engine / direct read).
+Ratios per block size (largest batch): ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read /
+bare TCP socket), ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (default file engine / direct read),
+``ray_nixl_over_memcpy``.
 
 Output: a table, or JSON to stdout with ``--json``; ``--out FILE`` also writes the JSON. Run under the heavy lock:
 ``flock /tmp/kvstack-heavy.lock timeout 300 kvstack bench transfer --json``. The default run takes ~30-60 s.
@@ -60,8 +61,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.2", help="address the TCP servers bind to")
     parser.add_argument("--file-mib", type=int, default=256, help="size of the SSD test file (0 = skip)")
     parser.add_argument("--file-dir", default="", help="directory for the SSD test file (default: a temp dir)")
-    parser.add_argument("--ray", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure between two Ray nodes' shards (default on)")
+    parser.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure between two Ray nodes' shards (default on)",
+    )
     parser.add_argument("--deadline-s", type=float, default=120.0, help="deadline of every transfer call")
 
 
@@ -109,8 +114,12 @@ def _options(backend: str, host: str) -> Any:
 
 
 def _series(runs: list[float]) -> dict[str, Any]:
-    return {"gbps_median": round(statistics.median(runs), 3), "gbps_min": round(min(runs), 3),
-            "gbps_max": round(max(runs), 3), "runs": [round(r, 3) for r in runs]}
+    return {
+        "gbps_median": round(statistics.median(runs), 3),
+        "gbps_min": round(min(runs), 3),
+        "gbps_max": round(max(runs), 3),
+        "runs": [round(r, 3) for r in runs],
+    }
 
 
 # ---- the peer process ---------------------------------------------------------------------------------------
@@ -127,8 +136,12 @@ def _peer_main(conn: Connection, region_bytes: int, backends: list[str], host: s
     listener = socket.create_server((host, 0))
     stop = threading.Event()
     threading.Thread(target=_raw_server, args=(listener, arena, stop), daemon=True).start()
-    conn.send({"meta": {b: encode_metadata(ep.metadata()) for b, ep in zip(backends, endpoints, strict=True)},
-               "raw": listener.getsockname()[:2]})
+    conn.send(
+        {
+            "meta": {b: encode_metadata(ep.metadata()) for b, ep in zip(backends, endpoints, strict=True)},
+            "raw": listener.getsockname()[:2],
+        }
+    )
     try:
         conn.poll(3600)
     finally:
@@ -202,7 +215,7 @@ def _memcpy_once(src: np.ndarray, dst: np.ndarray) -> float:
 def _gather_once(src2d: np.ndarray, dst2d: np.ndarray, perm: np.ndarray) -> float:
     """The same shuffled blocks as a transport cell, gathered by one ``np.take`` (one pass, no temporary)."""
     t0 = time.perf_counter()
-    np.take(src2d, perm, axis=0, out=dst2d)
+    np.take(src2d, perm, axis=0, out=dst2d, mode="clip")  # mode="raise" would buffer `out` (a second copy)
     return dst2d.nbytes / (time.perf_counter() - t0) / 1e9
 
 
@@ -222,8 +235,18 @@ def _raw_tcp_once(sock: socket.socket, buf: memoryview, nbytes: int) -> float:
 class _Cell:
     """One (backend, direction, block, batch) series: prebuilt op lists, one timed run per call of ``once``."""
 
-    def __init__(self, ep: Any, peer: str, direction: str, block: int, batch: int, region_bytes: int,
-                 total: int, deadline_s: float, seed: int) -> None:
+    def __init__(
+        self,
+        ep: Any,
+        peer: str,
+        direction: str,
+        block: int,
+        batch: int,
+        region_bytes: int,
+        total: int,
+        deadline_s: float,
+        seed: int,
+    ) -> None:
         from kvpool.transfer import BlockOp
 
         nblocks = region_bytes // block
@@ -316,8 +339,9 @@ def _file_cell(io: Any, path: str, block: int, batch: int, nbytes: int) -> Calla
 
 
 # ---- Ray: between two nodes' shards -------------------------------------------------------------------------------
-def _ray_section(block_sizes: list[int], batch: int, region_bytes: int, repeats: int,
-                 deadline_s: float) -> dict[str, Any]:
+def _ray_section(
+    block_sizes: list[int], batch: int, region_bytes: int, repeats: int, deadline_s: float
+) -> dict[str, Any]:
     try:
         import ray
         from ray.cluster_utils import Cluster
@@ -336,12 +360,15 @@ def _ray_section(block_sizes: list[int], batch: int, region_bytes: int, repeats:
     out: dict[str, Any] = {}
     try:
         t0 = time.monotonic()
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * MIB})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * MIB},
+        )
         nodes = {}
         for name, ip in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
-            node = cluster.add_node(num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1},
-                                    object_store_memory=80 * MIB, wait=True)
+            node = cluster.add_node(
+                num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1}, object_store_memory=80 * MIB, wait=True
+            )
             nodes[name] = node.node_id
         ray.init(address=cluster.address, logging_level="error")
         out["cluster_start_s"] = round(time.monotonic() - t0, 1)
@@ -349,8 +376,11 @@ def _ray_section(block_sizes: list[int], batch: int, region_bytes: int, repeats:
         slots = max(1, region_bytes // slot)
         handles = start_shards(
             lambda node_id, node_ip: ShardConfig(
-                shard_id=f"bench-{node_ip}", store=StoreConfig(slot_bytes=slot, dram_slots=slots),
-                backend="nixl", nixl=NixlOptions(ucx_devices="lo")),
+                shard_id=f"bench-{node_ip}",
+                store=StoreConfig(slot_bytes=slot, dram_slots=slots),
+                backend="nixl",
+                nixl=NixlOptions(ucx_devices="lo"),
+            ),
             include=lambda n: n.get("Resources", {}).get("node_a", 0) > 0,
         )
         try:
@@ -416,8 +446,11 @@ class _RayClient:
         out: dict[str, Any] = {"slots": len(offsets), "read": {}, "write": {}}
         for block in block_sizes:
             per_slot = self.slot_bytes // block
-            ops = [BlockOp(rid, off + k * block, self.region, (i * per_slot + k) * block, block)
-                   for i, off in enumerate(offsets) for k in range(per_slot)]
+            ops = [
+                BlockOp(rid, off + k * block, self.region, (i * per_slot + k) * block, block)
+                for i, off in enumerate(offsets)
+                for k in range(per_slot)
+            ]
             chunks = [ops[i : i + batch] for i in range(0, len(ops), batch)]
             nbytes = len(ops) * block
             for direction, fn in (("write", self.ep.write), ("read", self.ep.read)):
@@ -461,10 +494,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     result: dict[str, Any] = {
         "schema": "kvstack.bench.transfer/1",
-        "config": {"block_sizes": block_sizes, "batches": batches, "total_mib": args.total_mib,
-                   "repeats": repeats, "backends": backends, "file_mib": args.file_mib, "ray": args.ray},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
-                    "python": platform.python_version(), "platform": platform.platform()},
+        "config": {
+            "block_sizes": block_sizes,
+            "batches": batches,
+            "total_mib": args.total_mib,
+            "repeats": repeats,
+            "backends": backends,
+            "file_mib": args.file_mib,
+            "ray": args.ray,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         "notes": [],
     }
 
@@ -485,11 +529,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for block in block_sizes:
                 for batch in batches:
                     cells[(b, "read", block, batch)] = _Cell(
-                        endpoints[b], f"bench-peer-{b}", "read", block, batch, region_bytes, region_bytes,
-                        args.deadline_s, seed=block + batch)
+                        endpoints[b],
+                        f"bench-peer-{b}",
+                        "read",
+                        block,
+                        batch,
+                        region_bytes,
+                        region_bytes,
+                        args.deadline_s,
+                        seed=block + batch,
+                    )
                 cells[(b, "write", block, batches[-1])] = _Cell(
-                    endpoints[b], f"bench-peer-{b}", "write", block, batches[-1], region_bytes, region_bytes,
-                    args.deadline_s, seed=block)
+                    endpoints[b],
+                    f"bench-peer-{b}",
+                    "write",
+                    block,
+                    batches[-1],
+                    region_bytes,
+                    region_bytes,
+                    args.deadline_s,
+                    seed=block,
+                )
         for cell in cells.values():  # warm-up: connections, prepared descriptor lists, page faults
             cell.once()
         memcpy_runs: list[float] = []
@@ -524,8 +584,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         peer.stop()
 
     if args.file_mib > 0:
-        result["file"] = _file_section(args, block_sizes, batches[-1], repeats, BlockFileIO, FileIOOptions,
-                                       aligned_buffer)
+        result["file"] = _file_section(
+            args, block_sizes, batches[-1], repeats, BlockFileIO, FileIOOptions, aligned_buffer
+        )
     if args.ray:
         result["ray"] = _ray_section(block_sizes, batches[-1], region_bytes, repeats, args.deadline_s)
     else:
@@ -537,8 +598,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _file_section(args: argparse.Namespace, block_sizes: list[int], batch: int, repeats: int,
-                  io_cls: Any, opts_cls: Any, aligned_buffer: Callable[[int], np.ndarray]) -> dict[str, Any]:
+def _file_section(
+    args: argparse.Namespace,
+    block_sizes: list[int],
+    batch: int,
+    repeats: int,
+    io_cls: Any,
+    opts_cls: Any,
+    aligned_buffer: Callable[[int], np.ndarray],
+) -> dict[str, Any]:
     nbytes = args.file_mib * MIB
     owned = not args.file_dir
     directory = args.file_dir or tempfile.mkdtemp(prefix="kvbench-ssd-", dir="/tmp")
@@ -556,8 +624,11 @@ def _file_section(args: argparse.Namespace, block_sizes: list[int], batch: int, 
                 continue
             io.register(memoryview(buf))
             ios[engine] = io
-        cells = {(engine, block): _file_cell(io, path, block, batch, nbytes)
-                 for engine, io in ios.items() for block in block_sizes}
+        cells = {
+            (engine, block): _file_cell(io, path, block, batch, nbytes)
+            for engine, io in ios.items()
+            for block in block_sizes
+        }
         direct_runs: list[float] = []
         runs: dict[tuple[str, int], list[float]] = {k: [] for k in cells}
         for _ in range(repeats):
@@ -611,7 +682,9 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"memcpy {result['memcpy']['gbps_median']} GB/s   bare TCP socket {result['tcp_socket']['gbps_median']} GB/s"]
+    lines = [
+        f"memcpy {result['memcpy']['gbps_median']} GB/s   bare TCP socket {result['tcp_socket']['gbps_median']} GB/s"
+    ]
     for b, dirs in result["transports"].items():
         if not isinstance(dirs, dict):
             continue

@@ -81,17 +81,20 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return {EXTRA_KEY: msgspec.to_builtins(self)}
 
 
-def kv_transfer_config(cfg: ConnectorConfig) -> Any:
+def kv_transfer_config(
+    cfg: ConnectorConfig, *, connector: str = CONNECTOR_NAME, module_path: str = CONNECTOR_MODULE
+) -> Any:
     """The ``vllm.config.KVTransferConfig`` registering the connector from outside vLLM.
 
     ``kv_load_failure_policy="recompute"``: a block that fails to arrive is recomputed, never fails the request
-    (the connector refuses to start under the "fail" policy).
+    (the connector refuses to start under the "fail" policy). ``connector`` / ``module_path`` name a subclass
+    (tests inject faults that way).
     """
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME,
-        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_connector=connector,
+        kv_connector_module_path=module_path,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=cfg.to_extra(),

@@ -10,6 +10,19 @@ Data: key → bitmask of holders; a holder is a (source, tier): a replica's HBM,
 walks the request's keys in order and ANDs the masks; a holder's prefix ends where its bit drops out, and the walk
 stops when no holder remains, so a query costs O(matched length) dictionary lookups (done in C in chunks).
 
+Learned chains (why a repeated prefix costs O(log length)): block keys are chained (``kvpool.keys``: a key fixes
+every key before it), so the AND of the masks from block 0 to a key — its *prefix mask*, the holders of the whole
+prefix ending there — is a function of that key alone, and it only shrinks along a chain. A walk remembers the
+prefix mask of every key it matched (with its parent and children), and a later query of the same prefix reads
+it at O(log length) positions (exponential search for where the remembered part ends, bisection for where the
+mask changes) instead of walking it; only the part beyond is walked (and remembered). Exact at all times: every
+change to a mask updates the remembered masks of the key and its remembered descendants (a holder that drops a
+middle block leaves the prefix masks below it; one that fills the hole rejoins them), and a key whose prefix mask
+becomes empty is forgotten with its subtree. Remembered keys are a subset of the indexed keys (memory: ~3 dict
+entries per remembered key). This relies on the contract that a query's keys are a chain from block 0; a probed
+key whose remembered parent is not its predecessor in the query makes the index forget everything it learned and
+walk.
+
 Ordering per source: sequence numbers without holes per epoch. A batch that starts after the last applied seq (or
 says ``gap``), or a source first seen mid-epoch, marks the source stale and queues a resync request; its events are
 still applied (a slightly wrong view beats none) and buffered, and when the snapshot arrives the holder's keys are
@@ -59,6 +72,10 @@ class PrefixMatch:
 _EMPTY_MATCH = PrefixMatch({}, ())
 
 
+class _ChainMismatch(Exception):
+    """A query's keys contradict a learned chain (internal)."""
+
+
 class _Holder:
     __slots__ = ("bit", "keys", "kind", "node_id", "source_id", "tier")
 
@@ -104,6 +121,10 @@ class PrefixIndex:
         self._sources: dict[tuple[SourceKind, str], _Source] = {}
         self._resync: dict[tuple[SourceKind, str], str] = {}
         self._last_sweep = clock()
+        # Learned chains: key -> prefix mask (never 0), parent (None at block 0), children (one key, or a list).
+        self._pm: dict[bytes, int] = {}
+        self._up: dict[bytes, bytes | None] = {}
+        self._down: dict[bytes, bytes | list[bytes]] = {}
 
     # ---- introspection ---------------------------------------------------------------------------------------
 
@@ -122,6 +143,16 @@ class PrefixIndex:
         src = self._sources.get((kind, source_id))
         holder = src.holders.get(tier) if src else None
         return len(holder.keys) if holder else 0
+
+    def learned_blocks(self) -> int:
+        """Keys whose prefix mask the index remembers (see "Learned chains")."""
+        return len(self._pm)
+
+    def forget_chains(self) -> None:
+        """Forget every learned chain (queries walk again; for benchmarks of the cold path and for recovery)."""
+        self._pm.clear()
+        self._up.clear()
+        self._down.clear()
 
     # ---- replica events ----------------------------------------------------------------------------------------
 
@@ -197,34 +228,15 @@ class PrefixIndex:
     # ---- queries ---------------------------------------------------------------------------------------------
 
     def query(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """Longest prefix of ``keys`` per holder. O(matched length): stops when no holder matches any more."""
+        """Longest prefix of ``keys`` per holder. O(matched length) at most: stops when no holder matches any more,
+        and reads the part of the chain an earlier query learned at O(log) positions."""
         n = len(keys)
         if n == 0 or not self._mask:
             return _EMPTY_MATCH
-        get = self._mask.get
-        alive = get(keys[0], 0)
-        if not alive:
-            return _EMPTY_MATCH
-        ends: list[tuple[int, int]] = []  # (bits that dropped out, prefix length in blocks)
-        i, step = 1, 16
-        while i < n:
-            j = i + step if i + step < n else n
-            masks = list(map(get, keys[i:j], repeat(0, j - i)))
-            if reduce(and_, masks, alive) == alive:  # nobody dropped out in this chunk (the common case)
-                i = j
-                if step < 1024:
-                    step <<= 1
-                continue
-            for m in masks:
-                nm = alive & m
-                if nm != alive:
-                    ends.append((alive ^ nm, i))
-                    alive = nm
-                    if not alive:
-                        break
-                i += 1
-            if not alive:
-                break
+        ends: list[tuple[int, int]] = []  # (bits that dropped out, prefix length in blocks), by length
+        alive, i, prev = self._recall(keys, n, ends) if self._pm else (0, 0, None)
+        if i < n:
+            alive = self._walk(keys, n, i, prev, alive, ends)
         if alive:
             ends.append((alive, n))
         hbm: dict[str, int] = {}
@@ -242,6 +254,201 @@ class PrefixIndex:
                 else:
                     pool.append(PoolHit(holder.source_id, holder.node_id, holder.tier, length))  # type: ignore[arg-type]
         return PrefixMatch(hbm, tuple(pool))
+
+    def _recall(self, keys: Sequence[bytes], n: int, ends: list[tuple[int, int]]) -> tuple[int, int, bytes | None]:
+        """The learned part of ``keys``: appends its ends; returns (prefix mask at its last block, its length, its
+        last key), or (0, 0, None) when block 0 is not learned."""
+        pm, up = self._pm, self._up
+        k0 = keys[0]
+        v0 = pm.get(k0)
+        if v0 is None:
+            return 0, 0, None
+        if up[k0] is not None:
+            return self._inconsistent()
+
+        def at(j: int) -> int | None:  # prefix mask at position j (None: not learned); checks the chain link
+            key = keys[j]
+            v = pm.get(key)
+            if v is not None and up[key] != keys[j - 1]:
+                raise _ChainMismatch
+            return v
+
+        try:
+            last = at(n - 1) if n > 1 else v0
+            if last is not None:
+                f, v_last = n, last
+            else:  # exponential search for the first position not learned, then bisection
+                lo, hi = 0, 1
+                v_lo = v0
+                while hi < n - 1:
+                    v = at(hi)
+                    if v is None:
+                        break
+                    lo, v_lo = hi, v
+                    hi = 2 * hi + 1
+                else:
+                    hi = n - 1
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    v = at(mid)
+                    if v is None:
+                        hi = mid
+                    else:
+                        lo, v_lo = mid, v
+                f, v_last = lo + 1, v_lo
+            # Where the prefix mask changes inside [0, f): it only shrinks, so equal ends mean no change between.
+            if v0 != v_last:
+                stack = [(0, v0, f - 1, v_last)]
+                while stack:
+                    lo, vl, hi, vh = stack.pop()
+                    if vl == vh:
+                        continue
+                    if hi - lo == 1:
+                        ends.append((vl & ~vh, hi))
+                        continue
+                    mid = (lo + hi) >> 1
+                    vm = at(mid)
+                    if vm is None:
+                        raise _ChainMismatch  # a hole in the learned part: not a chain
+                    stack.append((mid, vm, hi, vh))
+                    stack.append((lo, vl, mid, vm))
+        except _ChainMismatch:
+            ends.clear()
+            return self._inconsistent()
+        return v_last, f, keys[f - 1]
+
+    def _inconsistent(self) -> tuple[int, int, None]:
+        """The query's keys contradict a learned chain (not a chain from block 0): forget all, walk from 0."""
+        self.forget_chains()
+        return 0, 0, None
+
+    def _walk(
+        self, keys: Sequence[bytes], n: int, i: int, prev: bytes | None, alive: int, ends: list[tuple[int, int]]
+    ) -> int:
+        """Walk ``keys[i:]`` ANDing masks (``alive``: the prefix mask at ``i - 1``; ``prev``: ``keys[i - 1]``),
+        appending ends and learning the prefix masks of the matched keys; returns the mask alive at the end."""
+        get = self._mask.get
+        if i == 0:
+            prev = keys[0]
+            alive = get(prev, 0)
+            if not alive:
+                return 0
+            self._learn(None, [prev], (alive,))
+            i = 1
+        step = 16
+        while i < n:
+            j = i + step if i + step < n else n
+            chunk = keys[i:j]
+            masks = list(map(get, chunk, repeat(0, j - i)))
+            if reduce(and_, masks, alive) == alive:  # nobody dropped out in this chunk (the common case)
+                self._learn(prev, chunk, repeat(alive, j - i))
+                prev = chunk[-1]
+                i = j
+                if step < 1024:
+                    step <<= 1
+                continue
+            vals: list[int] = []
+            for m in masks:
+                nm = alive & m
+                if nm != alive:
+                    ends.append((alive ^ nm, i + len(vals)))
+                    alive = nm
+                    if not alive:
+                        break
+                vals.append(alive)
+            if vals:
+                self._learn(prev, chunk[: len(vals)], vals)
+                prev = chunk[len(vals) - 1]
+            i += len(vals)
+            if not alive:
+                break
+        return alive
+
+    def _learn(self, parent: bytes | None, chain: list[bytes], masks: Iterable[int]) -> None:
+        """Remember ``chain`` (keys not learned yet, following ``parent``) with its prefix masks (all non-zero)."""
+        self._pm.update(zip(chain, masks))
+        up, down = self._up, self._down
+        up[chain[0]] = parent
+        if len(chain) > 1:
+            up.update(zip(chain[1:], chain))
+            down.update(zip(chain, chain[1:]))
+        if parent is not None:
+            self._link(parent, chain[0])
+
+    def _link(self, parent: bytes, child: bytes) -> None:
+        kids = self._down.get(parent)
+        if kids is None:
+            self._down[parent] = child
+        elif type(kids) is list:
+            if child not in kids:
+                kids.append(child)
+        elif kids != child:
+            self._down[parent] = [kids, child]  # type: ignore[list-item]
+
+    def _kids(self, key: bytes) -> Sequence[bytes]:
+        kids = self._down.get(key)
+        if kids is None:
+            return ()
+        return kids if type(kids) is list else (kids,)  # type: ignore[return-value]
+
+    def _learned_add(self, key: bytes, bit: int) -> None:
+        """A holder (``bit``) now holds learned ``key``: it joins the prefix masks of the key and of the learned
+        descendants it also holds, if it holds the whole prefix above ``key``."""
+        pm = self._pm
+        parent = self._up[key]
+        if parent is not None and not pm[parent] & bit:
+            return
+        mask = self._mask
+        stack = [key]
+        while stack:
+            k = stack.pop()
+            pm[k] |= bit
+            for c in self._kids(k):
+                if not pm[c] & bit and mask.get(c, 0) & bit:
+                    stack.append(c)
+
+    def _learned_remove(self, key: bytes, bit: int) -> None:
+        """A holder (``bit``) dropped learned ``key``: it leaves the prefix masks of the key and its descendants;
+        keys whose prefix mask empties are forgotten with their subtrees."""
+        pm = self._pm
+        stack = [key]
+        while stack:
+            k = stack.pop()
+            v = pm.get(k)
+            if v is None or not v & bit:
+                continue
+            v &= ~bit
+            if v:
+                pm[k] = v
+                stack.extend(c for c in self._kids(k) if pm[c] & bit)
+            else:
+                self._forget(k)
+
+    def _forget(self, root: bytes) -> None:
+        """Forget learned ``root`` and its learned subtree."""
+        pm, up, down = self._pm, self._up, self._down
+        parent = up.get(root)
+        if parent is not None:
+            kids = down.get(parent)
+            if type(kids) is list:
+                if root in kids:
+                    kids.remove(root)
+                if len(kids) == 1:
+                    down[parent] = kids[0]
+            elif kids == root:
+                del down[parent]
+        stack = [root]
+        while stack:
+            k = stack.pop()
+            if pm.pop(k, None) is None:
+                continue
+            del up[k]
+            kids = down.pop(k, None)
+            if kids is not None:
+                if type(kids) is list:
+                    stack.extend(kids)
+                else:
+                    stack.append(kids)
 
     def snapshot(
         self,
@@ -398,16 +605,20 @@ class PrefixIndex:
         bit = 1 << holder.bit
         mask = self._mask
         held = holder.keys
+        pm = self._pm
         for k in keys:
             if k not in held:
                 held.add(k)
                 mask[k] = mask.get(k, 0) | bit
+                if k in pm:
+                    self._learned_add(k, bit)
             # else: already held (duplicate event), nothing to do
 
     def _remove(self, holder: _Holder, keys: Iterable[bytes]) -> None:
         bit = 1 << holder.bit
         mask = self._mask
         held = holder.keys
+        pm = self._pm
         for k in keys:
             if k in held:
                 held.discard(k)
@@ -416,6 +627,9 @@ class PrefixIndex:
                     mask[k] = m
                 else:
                     del mask[k]
+                v = pm.get(k)
+                if v is not None and v & bit:
+                    self._learned_remove(k, bit)
 
     def _replace_holder_keys(self, src: _Source, tier: HolderTier, keys: set[bytes]) -> None:
         holder = src.holders.get(tier)

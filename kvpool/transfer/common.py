@@ -67,7 +67,9 @@ def admit(meta: AgentMetadata, backend: str, current: AgentMetadata | None) -> A
     if current is None:
         return Admission.ADD
     if meta.epoch == current.epoch:
-        return Admission.KEEP if meta.regions == current.regions and meta.payload == current.payload else Admission.REFRESH
+        return (
+            Admission.KEEP if meta.regions == current.regions and meta.payload == current.payload else Admission.REFRESH
+        )
     new_t, cur_t = epoch_time(meta.epoch), epoch_time(current.epoch)
     if new_t is not None and cur_t is not None and new_t < cur_t:
         raise StaleMetadataError(
@@ -109,7 +111,7 @@ class OpTable:
     vectorized mask, and only the first offending row is explained.
     """
 
-    __slots__ = ("rows", "_arr")
+    __slots__ = ("_arr", "rows")
 
     SMALL = 32
 

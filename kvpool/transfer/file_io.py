@@ -97,7 +97,9 @@ class BlockFileIO:
 
             api = load_nixl()
             self._errors = nixl_errors(api)
-            self._agent = make_agent(api, f"file-io-{os.getpid()}-{id(self):x}", progress_thread=False, progress_delay_us=0)
+            self._agent = make_agent(
+                api, f"file-io-{os.getpid()}-{id(self):x}", progress_thread=False, progress_delay_us=0
+            )
             self._agent.create_backend("POSIX", {})
 
     @property
@@ -139,7 +141,9 @@ class BlockFileIO:
 
     # ---- internals ------------------------------------------------------------------------------------------
     def _validate(self, ops: Sequence[FileOp]) -> np.ndarray:
-        arr = np.array([(o.fd, o.file_offset, o.region, o.offset, o.length) for o in ops], dtype=np.int64).reshape(-1, 5)
+        arr = np.array([(o.fd, o.file_offset, o.region, o.offset, o.length) for o in ops], dtype=np.int64).reshape(
+            -1, 5
+        )
         direct_fds = {fd: _is_direct(fd) for fd in {int(x) for x in arr[:, 0]}}
         for i, (fd, file_offset, region, offset, length) in enumerate(arr.tolist()):
             entry = self._regions.get(region)
@@ -241,7 +245,9 @@ class BlockFileIO:
         _release(handle, self._errors)
         if state != "DONE":
             return all_failed(n, deadline.elapsed(), "NIXL POSIX transfer error (short or failed I/O)")
-        return TransferResult(ok=list(range(n)), failed=[], bytes_moved=int(arr[:, 4].sum()), seconds=deadline.elapsed())
+        return TransferResult(
+            ok=list(range(n)), failed=[], bytes_moved=int(arr[:, 4].sum()), seconds=deadline.elapsed()
+        )
 
 
 def _release(handle: Any, errors: tuple[type[BaseException], ...]) -> None:

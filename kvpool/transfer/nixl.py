@@ -122,9 +122,9 @@ def load_nixl() -> types.ModuleType:
 def nixl_errors(api: types.ModuleType) -> tuple[type[BaseException], ...]:
     """Every exception type the NIXL bindings raise (they share no base class)."""
     bind = api.nixlBind
-    return tuple(
-        obj for obj in vars(bind).values() if isinstance(obj, type) and issubclass(obj, Exception)
-    ) or (Exception,)
+    return tuple(obj for obj in vars(bind).values() if isinstance(obj, type) and issubclass(obj, Exception)) or (
+        Exception,
+    )
 
 
 def make_agent(api: types.ModuleType, name: str, *, progress_thread: bool, progress_delay_us: int) -> Any:
@@ -473,9 +473,13 @@ def _decode_payload(meta: AgentMetadata, plugin: str) -> NixlPayload:
             f"peer {meta.agent_name!r}: NIXL payload version {payload.version}, expected {NIXL_PAYLOAD_VERSION}"
         )
     if payload.plugin != plugin:
-        raise StaleMetadataError(f"peer {meta.agent_name!r}: NIXL plugin {payload.plugin!r}, this endpoint uses {plugin!r}")
+        raise StaleMetadataError(
+            f"peer {meta.agent_name!r}: NIXL plugin {payload.plugin!r}, this endpoint uses {plugin!r}"
+        )
     if payload.nixl_agent != f"{meta.agent_name}@{meta.epoch}":
-        raise StaleMetadataError(f"peer {meta.agent_name!r}: NIXL agent {payload.nixl_agent!r} does not match its epoch")
+        raise StaleMetadataError(
+            f"peer {meta.agent_name!r}: NIXL agent {payload.nixl_agent!r} does not match its epoch"
+        )
     described = {(r.region_id, r.length) for r in payload.regions}
     if described != {(r.region_id, r.length) for r in meta.regions}:
         raise StaleMetadataError(f"peer {meta.agent_name!r}: NIXL payload regions differ from the metadata regions")

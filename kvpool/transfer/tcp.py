@@ -191,7 +191,9 @@ class TcpEndpoint(TransferEndpoint):
         listener.settimeout(0.25)  # the accept loop re-checks ``_closed`` this often
         self._listener = listener
         host = opts.advertise_host or opts.bind_host
-        self._address = f"[{host}]:{listener.getsockname()[1]}" if ":" in host else f"{host}:{listener.getsockname()[1]}"
+        self._address = (
+            f"[{host}]:{listener.getsockname()[1]}" if ":" in host else f"{host}:{listener.getsockname()[1]}"
+        )
         thread = threading.Thread(target=self._accept_loop, name=f"tcp-xfer-accept-{self._name}", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -228,7 +230,9 @@ class TcpEndpoint(TransferEndpoint):
                 try:
                     req = _req_decoder.decode(raw)
                 except msgspec.DecodeError as exc:
-                    _send_frame(conn, _encoder.encode(TcpResponse(TCP_WIRE_VERSION, False, f"bad request: {exc}")), None)
+                    _send_frame(
+                        conn, _encoder.encode(TcpResponse(TCP_WIRE_VERSION, False, f"bad request: {exc}")), None
+                    )
                     return  # unknown framing of what follows: drop the connection
                 error, views = self._check_request(req)
                 if views is None:

@@ -41,9 +41,11 @@ def block_file(tmp_path: Path) -> Iterator[tuple[int, bool]]:
 
 
 @pytest.mark.timeout(60)
-def test_write_then_shuffled_read_is_identical(io: tuple[BlockFileIO, CollectorRegistry], block_file: tuple[int, bool]) -> None:
+def test_write_then_shuffled_read_is_identical(
+    io: tuple[BlockFileIO, CollectorRegistry], block_file: tuple[int, bool]
+) -> None:
     fio, registry = io
-    fd, direct = block_file
+    fd, _direct = block_file
     n = 64
     src = aligned_buffer(n * BLOCK)
     src[:] = np.frombuffer(np.random.default_rng(0).bytes(n * BLOCK), dtype=np.uint8)
@@ -64,7 +66,9 @@ def test_write_then_shuffled_read_is_identical(io: tuple[BlockFileIO, CollectorR
 
 
 @pytest.mark.timeout(60)
-def test_read_past_end_of_file_fails_as_data(io: tuple[BlockFileIO, CollectorRegistry], block_file: tuple[int, bool]) -> None:
+def test_read_past_end_of_file_fails_as_data(
+    io: tuple[BlockFileIO, CollectorRegistry], block_file: tuple[int, bool]
+) -> None:
     fio, registry = io
     fd, _ = block_file
     buf = aligned_buffer(4 * BLOCK)

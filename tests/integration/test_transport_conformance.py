@@ -69,7 +69,11 @@ def _peer_main(backend: str, name: str, host: str, seed: int, size: int, conn: C
             if not conn.poll(600):
                 return
             cmd = conn.recv()
-            if cmd[0] == "digest":
+            if cmd[0] == "register":  # a second region, registered after the metadata went out
+                extra = pattern(cmd[1], cmd[2])
+                endpoint.register(memoryview(extra))
+                conn.send(encode_metadata(endpoint.metadata()))
+            elif cmd[0] == "digest":
                 _, offset, length = cmd
                 conn.send(hashlib.sha256(region[offset : offset + length].tobytes()).hexdigest())
             elif cmd[0] == "stop":
@@ -101,6 +105,12 @@ class Peer:
         if not self.conn.poll(30):
             raise TimeoutError("peer did not answer digest")
         return str(self.conn.recv())
+
+    def register_more(self, seed: int, size: int) -> bytes:
+        self.conn.send(("register", seed, size))
+        if not self.conn.poll(30):
+            raise TimeoutError("peer did not answer register")
+        return bytes(self.conn.recv())
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -211,7 +221,9 @@ def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: Peer) -> Non
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("block", "count"), [(64 * KIB, 1), (64 * KIB, 256), (1 * MIB, 16)])
-def test_write_then_read_back(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, block: int, count: int) -> None:
+def test_write_then_read_back(
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, block: int, count: int
+) -> None:
     p = start_peer(backend, "shard-w", seed=5)
     own_peer.append(p)
     fresh_client.add_peer(p.meta)
@@ -263,7 +275,13 @@ def test_unknown_peer_fails_as_data(client: TransferEndpoint) -> None:
     ],
 )
 def test_out_of_range_ops_are_rejected(
-    client: TransferEndpoint, peer: Peer, remote_region: int, remote_offset: int, local_offset: int, length: int, message: str
+    client: TransferEndpoint,
+    peer: Peer,
+    remote_region: int,
+    remote_offset: int,
+    local_offset: int,
+    length: int,
+    message: str,
 ) -> None:
     region, _ = local_region(client, 4096)
     ops = [BlockOp(0, 0, region, 0, 16), BlockOp(remote_region, remote_offset, region, local_offset, length)]
@@ -337,7 +355,9 @@ def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: Peer) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_restarted_peer_replaces_the_old_one(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str) -> None:
+def test_restarted_peer_replaces_the_old_one(
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
+) -> None:
     first = start_peer(backend, "shard-r", seed=1)
     own_peer.append(first)
     region, buf = local_region(fresh_client, 64 * KIB)
@@ -360,6 +380,26 @@ def test_restarted_peer_replaces_the_old_one(fresh_client: TransferEndpoint, own
     with pytest.raises(StaleMetadataError, match="older"):
         fresh_client.add_peer(first.meta)  # a late copy of the dead incarnation's metadata
     assert fresh_client.read("shard-r", ops, 10.0).all_ok  # the newer peer is still in place
+
+
+@pytest.mark.timeout(60)
+def test_region_registered_later_is_reachable_after_refresh(
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
+) -> None:
+    p = start_peer(backend, "shard-grow", seed=21)
+    own_peer.append(p)
+    fresh_client.add_peer(p.meta)
+    region, buf = local_region(fresh_client, 2 * MIB)
+    with pytest.raises(ValueError, match="unknown remote region 1"):
+        fresh_client.read(p.name, [BlockOp(1, 0, region, 0, MIB)], 5.0)
+    newer = decode_metadata(p.register_more(seed=22, size=4 * MIB))
+    assert newer.epoch == p.meta.epoch and len(newer.regions) == 2
+    fresh_client.add_peer(newer)  # same incarnation, more memory: refreshed, not rejected
+    ops = [BlockOp(1, 3 * MIB, region, 0, MIB), BlockOp(0, 0, region, MIB, MIB)]
+    result = fresh_client.read(p.name, ops, 20.0)
+    assert result.all_ok, result.error
+    assert np.array_equal(buf[:MIB], pattern(22, 4 * MIB)[3 * MIB :])
+    assert np.array_equal(buf[MIB:], p.expected(0, MIB))
 
 
 # ---- deadlines: frozen and killed peers -----------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""In-process vLLM engines (CPU build) for the reuse benchmark and the e2e reuse tests, locally or as a Ray actor.
+
+Who calls what:
+- ``bench.reuse_bench`` and ``tests/e2e`` build engines with ``make_llm(EngineSpec, connector)`` in their own
+  process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process, starts in seconds), run
+  token-id prompts with ``generate``, and close them with ``close_llm`` (which also drops vLLM's process-global
+  KV connector so the next engine gets its own).
+- For an engine on another Ray node (another process), they start ``EngineActor`` pinned to that node; it wraps
+  the same functions and returns plain values.
+Every engine uses greedy sampling through ``generate``; the results carry tokens and per-request TTFT.
+Environment settings the CPU build needs are applied by ``engine_env()`` at call time, never at import.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import msgspec
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One in-process engine. ``kv_cache_bytes`` must be set on the CPU build."""
+
+    model: str
+    kv_cache_bytes: int = 64 << 20
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 16
+    dtype: str = "bfloat16"
+    prefix_caching: bool = True
+    seed: int = 0
+
+
+class GenResult(msgspec.Struct, frozen=True):
+    tokens: list[list[int]]
+    ttft_s: list[float]  # per prompt: arrival → first token (vLLM's own timing); -1 when unavailable
+    wall_s: float
+
+
+def engine_env() -> None:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class: tuple[str, str] | None = None) -> Any:
+    """A ``vllm.LLM`` in this process; ``connector`` is a ``kvpool.connector_config.ConnectorConfig`` or None.
+
+    ``connector_class`` = (class name, module path) of a ``KvPoolConnector`` subclass (tests)."""
+    engine_env()
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if connector is not None:
+        from kvpool.connector_config import kv_transfer_config
+
+        names = {"connector": connector_class[0], "module_path": connector_class[1]} if connector_class else {}
+        kwargs["kv_transfer_config"] = kv_transfer_config(connector, **names)
+    return LLM(
+        model=spec.model,
+        kv_cache_memory_bytes=spec.kv_cache_bytes,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        max_model_len=spec.max_model_len,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        enable_prefix_caching=spec.prefix_caching,
+        dtype=spec.dtype,
+        seed=spec.seed,
+        **kwargs,
+    )
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
+    """Greedy completion of token-id prompts (ignore EOS, so every output has ``max_tokens`` tokens)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ttfts: list[float] = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        first = getattr(m, "first_token_latency", None) if m is not None else None
+        ttfts.append(float(first) if first is not None else -1.0)
+    return GenResult([list(o.outputs[0].token_ids) for o in outs], ttfts, wall)
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler role of the in-process engine's kvpool connector (``SchedulerSide``) or None."""
+    core = llm.llm_engine.engine_core.engine_core
+    conn = core.scheduler.get_kv_connector()
+    return getattr(conn, "scheduler_side", None)
+
+
+def worker_connector(llm: Any) -> Any:
+    """The worker role (``WorkerSide``) of the in-process engine's connector, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return getattr(get_kv_transfer_group(), "worker_side", None) if has_kv_transfer_group() else None
+
+
+def connector_stats(llm: Any) -> dict[str, Any]:
+    """Scheduler and worker counters of the in-process connector (plain dicts)."""
+    import dataclasses
+
+    sched, worker = scheduler_connector(llm), worker_connector(llm)
+    out: dict[str, Any] = {}
+    if sched is not None:
+        out["scheduler"] = {k: v for k, v in dataclasses.asdict(sched.stats).items() if k != "history"}
+        out["fingerprint"] = sched.fingerprint
+        out["held_leases"] = sched.held_leases()
+    if worker is not None:
+        out["worker"] = dataclasses.asdict(worker.stats)
+    return out
+
+
+def close_llm(llm: Any) -> None:
+    """Shut the engine down and release vLLM's process globals (KV connector, distributed env)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+        gc.collect()
+
+
+class EngineActorBody:
+    """Ray actor body: one in-process engine in the actor's process (start with ``engine_actor(...)``)."""
+
+    def __init__(self, spec: bytes, connector: bytes | None) -> None:
+        engine_env()
+        from kvpool.connector_config import ConnectorConfig
+
+        self.spec = msgspec.msgpack.decode(spec, type=EngineSpec)
+        cfg = msgspec.msgpack.decode(connector, type=ConnectorConfig) if connector else None
+        self.llm = make_llm(self.spec, cfg)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> bytes:
+        return msgspec.msgpack.encode(generate(self.llm, prompts, max_tokens))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def stats(self) -> dict[str, Any]:
+        return connector_stats(self.llm)
+
+    def close(self) -> None:
+        close_llm(self.llm)
+
+
+def engine_actor(spec: EngineSpec, connector: Any | None, *, scheduling_strategy: Any,
+                 env: dict[str, str] | None = None) -> Any:
+    """Start an ``EngineActorBody`` actor (0 CPUs: the engine shares its node's core) with the engine env set."""
+    import ray
+
+    actor_cls = ray.remote(EngineActorBody)
+    env_vars = {**ENGINE_ENV, **(env or {})}
+    return actor_cls.options(
+        num_cpus=0, scheduling_strategy=scheduling_strategy, runtime_env={"env_vars": env_vars}
+    ).remote(msgspec.msgpack.encode(spec), msgspec.msgpack.encode(connector) if connector is not None else None)
+
+
+def decode_result(raw: bytes) -> GenResult:
+    return msgspec.msgpack.decode(raw, type=GenResult)
