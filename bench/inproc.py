@@ -127,15 +127,20 @@ def connector_stats(llm: Any) -> dict[str, Any]:
 
 def close_llm(llm: Any) -> None:
     """Shut the engine down and release vLLM's process globals (KV connector, distributed env)."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     try:
         llm.llm_engine.engine_core.shutdown()
     finally:
-        ensure_kv_transfer_shutdown()
-        cleanup_dist_env_and_memory()
-        gc.collect()
+        release_engine_globals()
+
+
+def release_engine_globals() -> None:
+    """Drop vLLM's process-global KV connector and distributed state (after a close or a failed start)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    ensure_kv_transfer_shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
 
 
 class EngineActorBody:
@@ -143,8 +148,16 @@ class EngineActorBody:
 
     def __init__(self, spec: bytes, connector: bytes | None) -> None:
         engine_env()
+        self.llm: Any = None
+        self.reload(spec, connector)
+
+    def reload(self, spec: bytes, connector: bytes | None) -> None:
+        """Replace the engine (one process start serves several engines, one at a time)."""
         from kvpool.connector_config import ConnectorConfig
 
+        if self.llm is not None:
+            close_llm(self.llm)
+            self.llm = None
         self.spec = msgspec.msgpack.decode(spec, type=EngineSpec)
         cfg = msgspec.msgpack.decode(connector, type=ConnectorConfig) if connector else None
         self.llm = make_llm(self.spec, cfg)
@@ -159,7 +172,9 @@ class EngineActorBody:
         return connector_stats(self.llm)
 
     def close(self) -> None:
-        close_llm(self.llm)
+        if self.llm is not None:
+            close_llm(self.llm)
+            self.llm = None
 
 
 def engine_actor(spec: EngineSpec, connector: Any | None, *, scheduling_strategy: Any,
@@ -172,6 +187,11 @@ def engine_actor(spec: EngineSpec, connector: Any | None, *, scheduling_strategy
     return actor_cls.options(
         num_cpus=0, scheduling_strategy=scheduling_strategy, runtime_env={"env_vars": env_vars}
     ).remote(msgspec.msgpack.encode(spec), msgspec.msgpack.encode(connector) if connector is not None else None)
+
+
+def encode_args(spec: EngineSpec, connector: Any | None) -> tuple[bytes, bytes | None]:
+    """Arguments of ``EngineActorBody.reload``."""
+    return msgspec.msgpack.encode(spec), (msgspec.msgpack.encode(connector) if connector is not None else None)
 
 
 def decode_result(raw: bytes) -> GenResult:

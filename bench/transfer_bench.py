@@ -10,15 +10,16 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   Blocks are visited in a shuffled order; each cell moves ``max(total, block*batch)`` bytes.
 - ``ray`` (``--ray``): the same read between two Ray nodes of a local cluster (127.0.0.2 / 127.0.0.3): the
   ``kvpool.shard`` actor on node A holds the arena; a client actor on node B reserves slots, writes them and reads
-  them back over NIXL.
+  them back over NIXL (blocks in shuffled order, ``--batches`` max ops per call), then checks the bytes.
 - ``file``: the SSD tier's read path from files under ``--file-dir`` with a cold page cache (``POSIX_FADV_DONTNEED``
   before every run): ``direct_read`` = dd-style sequential O_DIRECT reads of 1 MiB (the device ceiling), and
   ``kvpool.transfer.file_io.BlockFileIO`` (engines ``nixl_posix`` and ``preadv``, O_DIRECT) reading every block
-  of the file in shuffled order, ``--batches`` max ops per call.
+  of the file in shuffled order, ``--batches`` max ops per call, and ``ssd_slab``: the shipped SSD tier
+  (``kvpool.ssd.SsdSlab``, buffered ``preadv`` one block at a time) reading its slab in shuffled order.
 
 Ratios per block size (largest batch): ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read /
-bare TCP socket), ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (default file engine / direct read),
-``ray_nixl_over_memcpy``.
+bare TCP socket), ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (the SSD tier ``ssd_slab`` / direct
+read), ``file_io_over_direct_read`` (default ``file_io`` engine / direct read), ``ray_nixl_over_memcpy``.
 
 Output: a table, or JSON to stdout with ``--json``; ``--out FILE`` also writes the JSON. Run under the heavy lock:
 ``flock /tmp/kvstack-heavy.lock timeout 300 kvstack bench transfer --json``. The default run takes ~30-60 s.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
@@ -59,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs per series (median reported)")
     parser.add_argument("--backends", default="nixl,tcp", help="transfer backends (default nixl,tcp)")
     parser.add_argument("--host", default="127.0.0.2", help="address the TCP servers bind to")
-    parser.add_argument("--file-mib", type=int, default=256, help="size of the SSD test file (0 = skip)")
+    parser.add_argument("--file-mib", type=int, default=64, help="size of the SSD test files (0 = skip)")
     parser.add_argument("--file-dir", default="", help="directory for the SSD test file (default: a temp dir)")
     parser.add_argument(
         "--ray",
@@ -132,7 +134,7 @@ def _peer_main(conn: Connection, region_bytes: int, backends: list[str], host: s
     arena[:] = np.frombuffer(np.random.default_rng(7).bytes(region_bytes), dtype=np.uint8)
     endpoints = [make_endpoint(b, f"bench-peer-{b}", options=_options(b, host)) for b in backends]
     for ep in endpoints:
-        ep.register(memoryview(arena))
+        ep.register(arena.data)
     listener = socket.create_server((host, 0))
     stop = threading.Event()
     threading.Thread(target=_raw_server, args=(listener, arena, stop), daemon=True).start()
@@ -152,7 +154,7 @@ def _peer_main(conn: Connection, region_bytes: int, backends: list[str], host: s
 
 
 def _raw_server(listener: socket.socket, arena: np.ndarray, stop: threading.Event) -> None:
-    view = memoryview(arena)
+    view = arena.data
     chunk = min(MIB, len(view))
     while not stop.is_set():
         try:
@@ -301,7 +303,7 @@ def _direct_read_once(path: str, buf: np.ndarray) -> float:
     from kvpool.transfer.file_io import open_block_file
 
     fd, _direct = open_block_file(path)
-    view = memoryview(buf)
+    view = buf.data
     try:
         t0 = time.perf_counter()
         size, at = os.fstat(fd).st_size, 0
@@ -370,7 +372,7 @@ def _ray_section(
                 num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1}, object_store_memory=80 * MIB, wait=True
             )
             nodes[name] = node.node_id
-        ray.init(address=cluster.address, logging_level="error")
+        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
         out["cluster_start_s"] = round(time.monotonic() - t0, 1)
         slot = max(block_sizes)
         slots = max(1, region_bytes // slot)
@@ -391,7 +393,7 @@ def _ray_section(
             client = client_cls.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"], soft=False)
             ).remote(shard.actor, slots, slot)
-            res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s), timeout=600)
+            res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s), timeout=600)  # type: ignore[attr-defined]
             out.update(res)
             out["shard_node_ip"] = shard.node_ip
             out["client_node_ip"] = "127.0.0.3"
@@ -434,7 +436,7 @@ class _RayClient:
         self.ep = make_endpoint("nixl", f"bench-client-{os.getpid()}", options=NixlOptions(ucx_devices="lo"))
         self.buf = aligned_buffer(len(self.reservation.offsets) * slot_bytes)
         self.buf[:] = np.frombuffer(np.random.default_rng(1).bytes(self.buf.nbytes), dtype=np.uint8)
-        self.region = self.ep.register(memoryview(self.buf))
+        self.region = self.ep.register(self.buf.data)
         self.meta = decode_metadata(self.shard.transfer_metadata())
         self.ep.add_peer(self.meta)
 
@@ -451,6 +453,8 @@ class _RayClient:
                 for i, off in enumerate(offsets)
                 for k in range(per_slot)
             ]
+            order = np.random.default_rng(block).permutation(len(ops))  # shuffled, as in the transport cells
+            ops = [ops[int(i)] for i in order]
             chunks = [ops[i : i + batch] for i in range(0, len(ops), batch)]
             nbytes = len(ops) * block
             for direction, fn in (("write", self.ep.write), ("read", self.ep.read)):
@@ -466,7 +470,7 @@ class _RayClient:
                     runs.append(nbytes / (time.perf_counter() - t0) / 1e9)
                 out[direction][_label(block)] = _series(runs)
         back = np.zeros_like(self.buf)
-        back_region = self.ep.register(memoryview(back))
+        back_region = self.ep.register(back.data)
         ops = [BlockOp(rid, off, back_region, i * self.slot_bytes, self.slot_bytes) for i, off in enumerate(offsets)]
         if not self.ep.read(self.meta.agent_name, ops, deadline_s).all_ok:
             raise RuntimeError("ray read-back failed")
@@ -519,7 +523,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         src = np.frombuffer(np.random.default_rng(1).bytes(region_bytes), dtype=np.uint8)
         for b in backends:
             ep = make_endpoint(b, f"bench-client-{b}", options=_options(b, "127.0.0.3"))
-            ep.register(memoryview(local))
+            ep.register(local.data)
             ep.add_peer(decode_metadata(peer.meta[b]))
             endpoints[b] = ep
         raw = socket.create_connection(peer.raw_addr, timeout=60)
@@ -557,7 +561,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         perms = {b: np.random.default_rng(b).permutation(region_bytes // b) for b in block_sizes}
         tcp_runs: list[float] = []
         cell_runs: dict[tuple[str, str, int, int], list[float]] = {k: [] for k in cells}
-        view = memoryview(local)
+        view = local.data
         for _ in range(repeats):
             memcpy_runs.append(_memcpy_once(src, local))
             for b in block_sizes:
@@ -613,6 +617,7 @@ def _file_section(
     path = os.path.join(directory, "blocks.bin")
     out: dict[str, Any] = {"bytes": nbytes, "dir": directory, "order": "shuffled blocks, cold page cache"}
     ios: dict[str, Any] = {}
+    slabs: list[Any] = []
     try:
         _make_file(path, nbytes)
         buf = aligned_buffer(nbytes)
@@ -622,13 +627,17 @@ def _file_section(
             except RuntimeError as exc:
                 out[engine] = {"skipped": str(exc)}
                 continue
-            io.register(memoryview(buf))
+            io.register(buf.data)
             ios[engine] = io
         cells = {
             (engine, block): _file_cell(io, path, block, batch, nbytes)
             for engine, io in ios.items()
             for block in block_sizes
         }
+        for block in block_sizes:  # the shipped SSD tier (kvpool.ssd.SsdSlab): one slab, buffered preadv per block
+            once, slab = _slab_cell(os.path.join(directory, f"slab-{_label(block)}"), buf, block, nbytes)
+            slabs.append(slab)
+            cells[("ssd_slab", block)] = once
         direct_runs: list[float] = []
         runs: dict[tuple[str, int], list[float]] = {k: [] for k in cells}
         for _ in range(repeats):
@@ -637,18 +646,44 @@ def _file_section(
                 runs[key].append(once())
         out["direct_read"] = {"block": MIB, **_series(direct_runs)}
         for (engine, block), r in runs.items():
-            out.setdefault(engine, {})[_label(block)] = {"batch": batch, **_series(r)}
+            out.setdefault(engine, {})[_label(block)] = {
+                "batch": batch if engine != "ssd_slab" else 1,
+                **_series(r),
+            }
         from kvpool.transfer.file_io import FileIOOptions
 
         out["default_engine"] = FileIOOptions().engine
     finally:
         for io in ios.values():
             io.close()
+        for slab in slabs:
+            slab.close()
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
         elif os.path.exists(path):
             os.unlink(path)
     return out
+
+
+def _slab_cell(directory: str, buf: np.ndarray, block: int, nbytes: int) -> tuple[Callable[[], float], Any]:
+    from kvpool.ssd import SsdSlab
+
+    nblocks = nbytes // block
+    slab = SsdSlab(directory, block, nblocks)
+    view = buf.data
+    for i in range(nblocks):
+        slab.write(i, view[i * block : (i + 1) * block])
+    perm = np.random.default_rng(block + 1).permutation(nblocks)
+
+    def once() -> float:
+        _drop_cache(str(slab.path))
+        t0 = time.perf_counter()
+        for i in range(nblocks):
+            if slab.read_into(int(perm[i]), view[i * block : (i + 1) * block]) != block:
+                raise RuntimeError("ssd slab read came back short")
+        return nblocks * block / (time.perf_counter() - t0) / 1e9
+
+    return once, slab
 
 
 def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[str, Any]:
@@ -666,6 +701,7 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
     out: dict[str, Any] = {"batch": batch}
     memcpy, tcp = med("memcpy"), med("tcp_socket")
     file_engine = result.get("file", {}).get("default_engine", "nixl_posix")
+    direct = med("file", "direct_read")
     for block in block_sizes:
         label = _label(block)
         nixl = med("transports", "nixl", "read", label, str(batch))
@@ -675,7 +711,8 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
             "nixl_over_memcpy_gather": div(nixl, med("memcpy_gather", label)),
             "nixl_over_tcp": div(nixl, tcp),
             "tcp_endpoint_over_tcp_socket": div(tcp_ep, tcp),
-            "ssd_over_direct_read": div(med("file", file_engine, label), med("file", "direct_read")),
+            "ssd_over_direct_read": div(med("file", "ssd_slab", label), direct),
+            "file_io_over_direct_read": div(med("file", file_engine, label), direct),
             "ray_nixl_over_memcpy": div(med("ray", "read", label), memcpy),
         }
     return out
@@ -695,7 +732,7 @@ def _table(result: dict[str, Any]) -> str:
     f = result.get("file")
     if f:
         lines.append(f"file direct_read {f.get('direct_read', {}).get('gbps_median')} GB/s")
-        for engine in ("nixl_posix", "preadv"):
+        for engine in ("nixl_posix", "preadv", "ssd_slab"):
             for label, v in f.get(engine, {}).items():
                 if isinstance(v, dict):
                     lines.append(f"file {engine} {label} {v.get('gbps_median')} GB/s")

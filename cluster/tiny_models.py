@@ -6,10 +6,11 @@ template), a ``config.json`` for ``Qwen3ForCausalLM`` (dense) or ``Qwen3NextForC
 full attention, dense MLP), and random bf16 weights saved as safetensors. A hybrid's last layer carries a small MoE (4 experts, top 2) because vLLM's Qwen3Next requires one; the
 other layers use a dense MLP. Everything is seeded: the same spec gives
 byte-identical files. Weights use untied embeddings and ``initializer_range`` 0.1 (tied / 0.02 weights make a random
-model repeat one token forever, which makes token-equality checks meaningless). For the same reason the hybrid
-presets sharpen attention (q/k norm gain 4) and give the gated-delta-net layers long memory (decay rates
-U(0.001, 0.1)): with HF's defaults a random hybrid's next token depends on the last few tokens only, so wrong
-prefix KV or state would go unnoticed.
+model repeat one token forever, which makes token-equality checks meaningless). For the same reason attention is
+sharpened (q/k norm gain 4) and the hybrid's gated-delta-net layers get long memory (decay rates U(0.001, 0.1)):
+with HF's defaults a random hybrid's next token depends on the last few tokens only, and a random dense model's
+barely on tokens a few hundred positions back, so wrong prefix KV or state would go unnoticed. Measured here:
+changing one token 300-500 positions back changes the greedy continuation of (nearly) every prompt.
 
 Idempotent: the directory carries ``kvstack_tiny.json`` with the spec and its hash; when it matches, nothing is
 rebuilt. A directory holding something else is refused (never silently overwritten). Writes go to a temporary
@@ -69,7 +70,7 @@ class TinySpec:
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     conv_kernel: int = 4
-    qk_norm_gain: float = 1.0  # q/k RMSNorm gain: > 1 sharpens attention so outputs depend on the whole context
+    qk_norm_gain: float = 4.0  # q/k RMSNorm gain: > 1 sharpens attention so outputs depend on the whole context
     linear_decay_min: float = 0.001  # qwen3-next: gated-delta-net decay rates A ~ U(min, max) (small = long memory)
     linear_decay_max: float = 0.1
     moe_experts: int = 4  # qwen3-next only: experts of the one MoE layer (vLLM requires one)
@@ -115,14 +116,11 @@ class TinySpec:
 
 _PRESETS: dict[tuple[str, str], dict[str, int | float]] = {
     ("qwen3", "tiny"): {},
-    # Hybrid: sharp attention and long-memory linear layers, measured so that changing one token 170 positions back
-    # changes the greedy continuation (with HF defaults the tiny hybrid ignores everything but the last tokens).
-    ("qwen3-next", "tiny"): {"qk_norm_gain": 4.0},
+    ("qwen3-next", "tiny"): {},
     # Heavy: wider, GQA 8/2, so prefill of 3k tokens costs seconds on one CPU core while its KV is ~6 MiB.
     # (8 layers x 1024 wide took ~96 s for a 3k prefill here: too slow for tests and benches on this box.)
     ("qwen3", "heavy"): {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2, "intermediate": 1536},
     ("qwen3-next", "heavy"): {
-        "qk_norm_gain": 4.0,
         "layers": 4,
         "hidden": 512,
         "heads": 8,

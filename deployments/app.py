@@ -59,7 +59,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         replica_options["autoscaling_config"] = autoscaling
     else:
         replica_options["num_replicas"] = cfg.replicas.num_replicas
-    replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(cfg.engine)
+    replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(cfg.engine, cfg.pool)
 
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,

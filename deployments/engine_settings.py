@@ -11,16 +11,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class ConnectorSettings(BaseModel):
-    """The vLLM KV connector to load (registered from outside vLLM by module path)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "KvPoolConnector"
-    module_path: str = "kvpool.connector"
-    extra_config: dict[str, object] = Field(default_factory=dict)
-
-
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,7 +29,6 @@ class EngineSettings(BaseModel):
     omp_threads: int = Field(default=1, gt=0)
     kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
     cache_salt: str = ""
-    kv_connector: ConnectorSettings | None = None
 
     def hbm_capacity_blocks(self) -> int:
         """KV blocks the engine can hold (for the router's HBM prefix estimate)."""

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deployments.app_config import AppConfig
+from deployments.app_config import AppConfig, PoolSettings
+from deployments.engine_settings import EngineSettings, kv_bytes_per_token_from_model
 from kvpool.shard import ShardConfig, ShardHandle, start_shards
 from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
 from kvpool.store import StoreConfig
 
 
-def block_slot_bytes(cfg: AppConfig) -> int:
-    from deployments.engine_settings import kv_bytes_per_token_from_model
-
-    per_token = cfg.engine.kv_bytes_per_token or kv_bytes_per_token_from_model(cfg.engine.model_path)
-    return per_token * cfg.engine.block_size
+def block_slot_bytes(engine: EngineSettings) -> int:
+    per_token = engine.kv_bytes_per_token or kv_bytes_per_token_from_model(engine.model_path)
+    return per_token * engine.block_size
 
 
-def shard_config(cfg: AppConfig, node_id: str) -> ShardConfig:
+def shard_config(engine: EngineSettings, pool: PoolSettings, node_id: str) -> ShardConfig:
     """The shard of ``node_id``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<node>``."""
-    pool = cfg.pool
-    slot = block_slot_bytes(cfg)
+    slot = block_slot_bytes(engine)
     ssd_slots = pool.ssd_bytes // slot if pool.ssd_dir else 0
     ssd_dir = str(Path(pool.ssd_dir).resolve() / node_id[:12]) if ssd_slots else ""
     return ShardConfig(
@@ -45,7 +43,7 @@ def shard_config(cfg: AppConfig, node_id: str) -> ShardConfig:
 def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[ShardHandle]:
     """One shard per worker node (nodes with CPUs; a 0-CPU head gets none), named for discovery."""
     return start_shards(
-        lambda node_id, _ip: shard_config(cfg, node_id),
+        lambda node_id, _ip: shard_config(cfg.engine, cfg.pool, node_id),
         actor_name=shard_actor_name,
         namespace=SHARD_NAMESPACE,
         actor_options={"get_if_exists": True, "lifetime": "detached"},
@@ -53,14 +51,15 @@ def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[Shard
     )
 
 
-def ensure_local_shard(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> ShardHandle:
+def ensure_local_shard(engine: EngineSettings, pool: PoolSettings, *, ready_deadline_s: float = 120.0
+                       ) -> ShardHandle:
     """The shard of the caller's node, started if this node has none yet (a replica calls this before its engine
     starts, so nodes added later by the autoscaler — KubeRay — get their shard with their first replica)."""
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
     (handle,) = start_shards(
-        lambda nid, _ip: shard_config(cfg, nid),
+        lambda nid, _ip: shard_config(engine, pool, nid),
         include=lambda n: n["NodeID"] == node_id,
         actor_name=shard_actor_name,
         namespace=SHARD_NAMESPACE,

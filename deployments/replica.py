@@ -27,10 +27,11 @@ from typing import Any
 
 import msgspec
 
+from deployments.app_config import PoolSettings
 from deployments.engine_settings import EngineSettings
 from router.hub import DEFAULT_HUB_NAME, ReplicaReport, get_or_create_hub
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
-from router.wire import GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root
+from router.wire import ControlRequest, GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root
 
 log = logging.getLogger("kvstack.replica")
 
@@ -108,7 +109,7 @@ def to_sampling_params(s: Sampling, *, stream: bool) -> Any:
     )
 
 
-def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None) -> Any:
+def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None, kv_transfer: Any = None) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(
@@ -129,28 +130,25 @@ def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None)
         from deployments.kv_events import events_config
 
         kwargs["kv_events_config"] = events_config(kv_events_port)
-    if engine.kv_connector is not None:
-        from vllm.config import KVTransferConfig
-
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=engine.kv_connector.name,
-            kv_connector_module_path=engine.kv_connector.module_path,
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(engine.kv_connector.extra_config),
-        )
+    if kv_transfer is not None:
+        kwargs["kv_transfer_config"] = kv_transfer
     return AsyncEngineArgs(**kwargs)
 
 
 class VLLMReplica:
     """Serve deployment body (``serve.deployment`` is applied by ``deployments.app``)."""
 
-    def __init__(self, engine: dict[str, Any] | EngineSettings, hub_name: str | None = DEFAULT_HUB_NAME,
-                 hub_namespace: str | None = "kvstack", stats_interval_s: float = 0.5) -> None:
+    async def __init__(self, engine: dict[str, Any] | EngineSettings, pool: dict[str, Any] | PoolSettings | None = None,
+                       hub_name: str | None = DEFAULT_HUB_NAME, hub_namespace: str | None = "kvstack",
+                       stats_interval_s: float = 0.5) -> None:
         import ray
         from ray import serve
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
+        if pool is not None and not isinstance(pool, PoolSettings):
+            pool = PoolSettings.model_validate(pool)
+        self.pool = pool if pool is not None and pool.enabled else None
         os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.omp_threads))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -164,9 +162,20 @@ class VLLMReplica:
             self._events = KvEventSubscriber(translator, self.ledger.lock)
             events_port = self._events.port
             self._events.start()
+        kv_transfer = None
+        if self.pool is not None:  # the node's pool shard first: the connector finds it when the engine starts
+            kv_transfer = await asyncio.to_thread(self._connector_transfer_config)
+            # The layout handshake (a kvpool object) comes back from the engine-core process through
+            # collective_rpc; vLLM only pickles such objects when allowed. Both ends are this replica's own processes.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         started = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port))
+        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port, kv_transfer))
         self.startup_s = time.monotonic() - started
+        if self.pool is not None:
+            fingerprint = await self._registered_layout_fingerprint()
+            self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt, fingerprint)
+            if self._events is not None:
+                self._events.translator.root = self.key_root
         self.running = 0
         self.waiting = 0
         self._seq = 0
@@ -177,6 +186,36 @@ class VLLMReplica:
         self._stats_interval_s = stats_interval_s
         self._publisher = asyncio.get_event_loop().create_task(self._publish_loop()) if self._hub else None
         log.info("replica %s on node %s: engine up in %.1f s", self.replica_id, self.node_id[:8], self.startup_s)
+
+    def _connector_transfer_config(self) -> Any:
+        """Start (or find) this node's shard and list every shard: the connector's configuration."""
+        import ray
+
+        from deployments.pool_setup import ensure_local_shard
+        from kvpool.connector_config import ConnectorConfig, ShardRef, kv_transfer_config
+        from kvpool.shard_registry import SHARD_NAMESPACE, list_shards, shard_actor_name
+
+        assert self.pool is not None
+        local = ensure_local_shard(self.settings, self.pool)
+        shards = [ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in list_shards(SHARD_NAMESPACE)]
+        cfg = ConnectorConfig(
+            shards=shards, model_id=self.settings.served_model_name, local_shard=local.shard_id,
+            ray_namespace=SHARD_NAMESPACE, ray_address=ray.get_runtime_context().gcs_address,
+            backend=self.pool.transfer_backend,
+        )
+        return kv_transfer_config(cfg)
+
+    async def _registered_layout_fingerprint(self) -> str:
+        """The fingerprint of the KV layout the engine's workers registered (the connector's handshake): the
+        block-key namespace the pool uses, so the router's keys and the pool's keys are the same keys."""
+        from kvpool.layout import KvLayout
+
+        per_worker = await asyncio.wait_for(
+            self.engine.collective_rpc("get_kv_connector_handshake_metadata"), timeout=60.0)
+        for metas in per_worker:
+            for meta in (metas or {}).values():
+                return KvLayout.decode(meta.layout).fingerprint
+        raise RuntimeError("the kvpool connector reported no layout: is it loaded in the engine?")
 
     # -- serving ---------------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | bytes) -> AsyncIterator[GenerateChunk]:
@@ -232,6 +271,15 @@ class VLLMReplica:
         return out
 
     # -- control ---------------------------------------------------------------------------------------------
+    async def control(self, request: ControlRequest) -> dict[str, Any]:
+        """Operator calls routed to this replica (``router.wire.ControlRequest``)."""
+        check_version(request.version, "ControlRequest")
+        if request.target_replica != self.replica_id:
+            return {"replica_id": self.replica_id, "ok": False, "error": "reached the wrong replica (target gone?)"}
+        if request.op == "reset_prefix_cache":
+            return {"replica_id": self.replica_id, "ok": await self.reset_prefix_cache()}
+        return {"replica_id": self.replica_id, "ok": False, "error": f"unknown op {request.op!r}"}
+
     async def reset_prefix_cache(self) -> bool:
         ok = await self.engine.reset_prefix_cache()
         with self.ledger.lock:
@@ -260,7 +308,7 @@ class VLLMReplica:
             self._seq += 1
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
-                waiting=self.waiting, stored=snapshot if first else stored,
+                waiting=self.waiting, key_root=bytes(self.key_root), stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(),
             )
             try:

@@ -4,7 +4,8 @@ Who calls what: Ray Serve calls ``choose_replicas`` inside the caller's process 
 the ``VLLMReplica`` deployment) for every request. The policy already chose a replica (``router.policies``); its
 Serve unique id travels in ``GenerateRequest.target_replica``. This router ranks that replica first and the rest
 by least load behind it, so if the chosen replica died or is full, Serve falls back to least-loaded — the decision
-is never second-guessed otherwise. Requests without a target (control calls) go least-loaded.
+is never second-guessed otherwise. ``ControlRequest``s (operator calls to one replica) are targeted the same way;
+anything without a target goes least-loaded.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from router.wire import GenerateRequest
+from router.wire import ControlRequest, GenerateRequest
 
 
 def _target_of(pending: PendingRequest | None) -> str | None:
     if pending is None:
         return None
     for arg in list(pending.args) + list(pending.kwargs.values()):
-        if isinstance(arg, GenerateRequest):
+        if isinstance(arg, (GenerateRequest, ControlRequest)):
             return arg.target_replica
     return None
 
@@ -31,7 +32,11 @@ def _load(replica: RunningReplica) -> float:
     return float(stats.get("running", 0)) + float(stats.get("waiting", 0))
 
 
-class DecisionRequestRouter(FIFOMixin, RequestRouter):
+class DecisionRequestRouter(RequestRouter):
+    """No ``FIFOMixin``: with it, Serve hands the replica chosen for one request to the *oldest* pending request,
+    so under concurrency a decision would land on another request. The base class matches the chosen replica to
+    the exact request it was chosen for."""
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:

@@ -60,6 +60,7 @@ class _Req:
     keys: list[BlockKey] | None = None
     leases: list[_Lease] = field(default_factory=list)
     save_from: int | None = None
+    loaded_at: int | None = None  # request.num_preemptions when a load was last planned
 
 
 @dataclass
@@ -76,6 +77,7 @@ class SchedulerStats:
     blocks_to_save: int = 0
     states_to_save: int = 0
     preempted_releases: int = 0
+    retries_refused: int = 0
     history: list[str] = field(default_factory=list)  # short event log for tests/debugging (bounded)
 
     def note(self, event: str) -> None:
@@ -159,6 +161,11 @@ class SchedulerSide:
         if not self.ready or request.prompt_token_ids is None:
             return 0, False
         r = self._track(request)
+        if r.loaded_at == request.num_preemptions:
+            # vLLM asks again without a preemption in between: the load we planned failed completely. Offer
+            # nothing this time (recompute) rather than promise blocks that may fail the same way forever.
+            self.stats.retries_refused += 1
+            return 0, False
         keys = self._keys(r)
         bs = self.block_size
         limit = min((request.num_tokens - 1) // bs, len(keys))  # leave at least one token to compute
@@ -201,6 +208,7 @@ class SchedulerSide:
         if num_external_tokens == 0:
             return
         r = self._track(request)
+        r.loaded_at = request.num_preemptions
         bs = self.block_size
         block_ids = blocks.get_block_ids()
         keys = self._keys(r)

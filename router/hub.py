@@ -31,6 +31,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     seq: int  # per-replica sequence number, +1 per report
     running: int
     waiting: int
+    key_root: bytes = b""  # namespace root of the replica's block keys (model id + registered layout + salt)
     stored: list[bytes] = []
     removed: list[bytes] = []
     full: bool = False  # stored is the replica's whole HBM key set

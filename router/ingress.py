@@ -10,8 +10,9 @@ SPLIT and a replica → the request goes to that replica through the Serve handl
 the choice) → chunks stream back as SSE or are gathered → the first token's arrival is recorded against the
 prediction (regret) and fed to calibration.
 
-Every response carries ``x-kvstack-action``, ``x-kvstack-replica`` and ``x-kvstack-router`` headers (what was
-decided, where it ran, which router decided). Bad input never reaches a replica: every client error is an OpenAI error object with a 4xx status
+Every response carries ``x-kvstack-action``, ``x-kvstack-target``, ``x-kvstack-replica`` and ``x-kvstack-router``
+headers (what was decided, for which replica, where it ran — known before the body only when not streaming — and
+which router decided). Bad input never reaches a replica: every client error is an OpenAI error object with a 4xx status
 (``router.openai_format.ApiError``), and the server keeps serving.
 """
 
@@ -141,6 +142,16 @@ class OpenAIIngress:
     async def decisions(self, limit: int = 50) -> Response:
         return JSONResponse(self.view.recent_decisions(limit))
 
+    @app.post("/kvstack/admin/reset_prefix_cache")
+    async def reset_prefix_cache(self) -> Response:
+        """Drop every replica's HBM prefix cache (benchmarks and tests: the next request must fetch or recompute)."""
+        from router.wire import ControlRequest
+
+        calls = [self.replicas.control.remote(ControlRequest(target_replica=r["replica_id"], op="reset_prefix_cache"))
+                 for r in self.view.replica_rows()]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return JSONResponse([r if isinstance(r, dict) else {"ok": False, "error": str(r)} for r in results])
+
     @app.get("/kvstack/status")
     async def status(self, decisions: int = 10) -> Response:
         """Nodes, replicas (as this router sees them), pool shards and recent decisions (``kvstack status``)."""
@@ -181,6 +192,7 @@ class OpenAIIngress:
             gen, decision = await self._generate(rid, token_ids, sampling, bool(req.stream))
             chunks = self._timed(gen, decision, started)
             headers = {"x-kvstack-action": decision.action, "x-kvstack-router": self.router_id,
+                       "x-kvstack-target": decision.target_replica or "",
                        "x-kvstack-replica": decision.target_replica or ""}
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)

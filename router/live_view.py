@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from configs import load_gpus, load_models, load_tiers, pick
-from kvpool.keys import chain_keys
+from kvpool.keys import BlockKey, chain_keys
 from router.calibration import Calibrator
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
@@ -136,6 +136,12 @@ class LiveView:
             if report.gone:
                 self._forget(report.replica_id)
                 continue
+            if report.key_root and report.key_root != self.key_root:
+                # The replicas key blocks under the layout their engine registered (the pool's namespace); the
+                # router must compute the same keys.
+                log.info("router %s: adopting key namespace %s from replica %s", self.router_id,
+                         report.key_root.hex()[:16], report.replica_id)
+                self.key_root = BlockKey(report.key_root)
             self._apply_report(report)
             prev = self.loads.get(report.replica_id)
             self.loads[report.replica_id] = ReplicaLoad(report.node_id, report.running, report.waiting, now,

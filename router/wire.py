@@ -62,6 +62,14 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = True
 
 
+class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator call to one replica (e.g. drop its HBM prefix cache), routed like a generate request."""
+
+    version: int = WIRE_VERSION
+    target_replica: str
+    op: str  # "reset_prefix_cache"
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     token: str

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+DEPLOY_DEADLINE_S = 900.0
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
 
@@ -113,6 +114,7 @@ class ServeStack:
     def __init__(self, cfg: Any, state_file: Path, on_ray_started: Any = None) -> None:
         self.cfg = cfg
         self.on_ray_started = on_ray_started or (lambda: None)
+        self.stop_event = threading.Event()
         self.state_file = state_file
         self.progress = Progress()
         self.cluster: Any = None
@@ -122,6 +124,7 @@ class ServeStack:
     def start(self, stop: threading.Event) -> None:
         from cluster.local_cluster import LocalCluster, prepare_environment
 
+        self.stop_event = stop
         cfg, p = self.cfg, self.progress
         prepare_environment()
         if cfg.tiny_model is not None:
@@ -177,7 +180,27 @@ class ServeStack:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         self.serve_started = True
         self.on_ray_started()
-        serve.run(build_app(cfg.app), name="kvstack", route_prefix="/")
+        app = build_app(cfg.app)
+        failure: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(app, name="kvstack", route_prefix="/")
+            except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+                failure.append(exc)
+
+        # serve.run waits for the app without a deadline and cannot be interrupted: run it aside and wait here,
+        # bounded, while still honouring Ctrl-C / SIGTERM.
+        worker = threading.Thread(target=deploy, name="serve-deploy", daemon=True)
+        worker.start()
+        deadline = time.monotonic() + DEPLOY_DEADLINE_S
+        while worker.is_alive():
+            if self.stop_event.wait(0.5):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the app was not ready within {DEPLOY_DEADLINE_S:.0f} s (see the replica logs)")
+        if failure:
+            raise failure[0]
         self.on_ray_started()
         self.progress.done("app ready", t)
 

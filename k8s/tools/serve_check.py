@@ -224,13 +224,15 @@ def check_imports(app: dict[str, Any], args: Any, where: str, path: str) -> list
                                         f"{cls_path!r} is not a ray.serve RequestRouter subclass"))
         except ImportError as exc:
             problems.append(Problem(where, f"{path}.deployments[{d}].request_router_config", str(exc)))
-    if args is not None and args.engine.kv_connector is not None:
-        conn = args.engine.kv_connector
+    if args is not None and args.pool.enabled:
+        # the app wires the kvpool connector into every engine when the pool is on: it must resolve
+        from kvpool.connector_config import CONNECTOR_MODULE, CONNECTOR_NAME
+
         try:
-            if not inspect.isclass(resolve(f"{conn.module_path}:{conn.name}")):
-                problems.append(Problem(where, f"{path}.args.engine.kv_connector", f"{conn.name} is not a class"))
+            if not inspect.isclass(resolve(f"{CONNECTOR_MODULE}:{CONNECTOR_NAME}")):
+                problems.append(Problem(where, f"{path}.args.pool", f"{CONNECTOR_NAME} is not a class"))
         except ImportError as exc:
-            problems.append(Problem(where, f"{path}.args.engine.kv_connector", str(exc)))
+            problems.append(Problem(where, f"{path}.args.pool", str(exc)))
     if builder is not None and args is not None:
         problems += _check_deployment_names(builder, app, where, path)
     return problems

@@ -191,8 +191,8 @@ def all_ok(table: OpTable, seconds: float) -> TransferResult:
     return TransferResult(ok=list(range(len(table))), failed=[], bytes_moved=table.total_bytes, seconds=seconds)
 
 
-def buffer_address(buffer: memoryview) -> tuple[np.ndarray, int, int]:
-    """A uint8 view over a writable, C-contiguous buffer, its address and byte length (for registration)."""
+def buffer_address(buffer: memoryview) -> tuple[np.ndarray, memoryview, int, int]:
+    """A uint8 array and a flat byte memoryview over a writable, C-contiguous buffer, plus its address and length."""
     if not isinstance(buffer, memoryview):
         raise TypeError(f"register() takes a memoryview, got {type(buffer).__name__}")
     if buffer.readonly:
@@ -201,5 +201,6 @@ def buffer_address(buffer: memoryview) -> tuple[np.ndarray, int, int]:
         raise ValueError("register() needs a C-contiguous buffer")
     if buffer.nbytes == 0:
         raise ValueError("register() needs a non-empty buffer")
-    view = np.frombuffer(buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer, dtype=np.uint8)
-    return view, int(view.ctypes.data), int(view.nbytes)
+    flat = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+    view = np.frombuffer(flat, dtype=np.uint8)
+    return view, flat, int(view.ctypes.data), int(view.nbytes)

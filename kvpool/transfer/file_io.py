@@ -86,7 +86,7 @@ class BlockFileIO:
         self._options = options or FileIOOptions()
         self._metrics = metrics or transfer_metrics()
         self._lock = threading.Lock()
-        self._regions: dict[int, tuple[np.ndarray, int]] = {}  # id -> (view, address)
+        self._regions: dict[int, tuple[np.ndarray, memoryview, int]] = {}  # id -> (array, bytes view, address)
         self._agent: Any = None
         self._errors: tuple[type[BaseException], ...] = ()
         self._file_regs: dict[int, Any] = {}
@@ -107,14 +107,14 @@ class BlockFileIO:
         return self._options.engine
 
     def register(self, buffer: memoryview) -> int:
-        view, addr, length = buffer_address(buffer)
+        view, flat, addr, length = buffer_address(buffer)
         with self._lock:
             if self._closed:
                 raise RuntimeError("BlockFileIO is closed")
             if self._agent is not None:
                 self._dram_regs.append(self._agent.register_memory([(addr, length, 0, "")], "DRAM"))
             region_id = len(self._regions)
-            self._regions[region_id] = (view, addr)
+            self._regions[region_id] = (view, flat, addr)
         return region_id
 
     def read(self, ops: Sequence[FileOp], deadline_s: float) -> TransferResult:
@@ -154,7 +154,7 @@ class BlockFileIO:
                 raise ValueError(f"op {i}: range [{offset}, {offset + length}) outside region {region} of {size} bytes")
             if file_offset < 0:
                 raise ValueError(f"op {i}: negative file offset {file_offset}")
-            if direct_fds[fd] and ((entry[1] + offset) | file_offset | length) % DIRECT_ALIGN:
+            if direct_fds[fd] and ((entry[2] + offset) | file_offset | length) % DIRECT_ALIGN:
                 raise ValueError(
                     f"op {i}: fd {fd} is O_DIRECT: memory address, file offset and length must be multiples of "
                     f"{DIRECT_ALIGN}"
@@ -188,7 +188,7 @@ class BlockFileIO:
                 failed.extend(range(i, len(arr)))
                 error = error or "deadline expired"
                 break
-            view = memoryview(self._regions[region][0])[offset : offset + length]
+            view = self._regions[region][1][offset : offset + length]
             try:
                 if direction == "read":
                     n = os.preadv(fd, [view], file_offset)
@@ -207,7 +207,7 @@ class BlockFileIO:
     def _nixl(self, direction: str, arr: np.ndarray, deadline: Deadline) -> TransferResult:
         agent = self._agent
         n = len(arr)
-        addrs = np.array([self._regions[int(r)][1] for r in arr[:, 2]], dtype=np.uint64)
+        addrs = np.array([self._regions[int(r)][2] for r in arr[:, 2]], dtype=np.uint64)
         mem = np.zeros((n, 3), dtype=np.uint64)
         mem[:, 0] = addrs + arr[:, 3].astype(np.uint64)
         mem[:, 1] = arr[:, 4].astype(np.uint64)

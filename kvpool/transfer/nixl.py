@@ -23,12 +23,15 @@ NIXL / UCX facts this relies on (nixl-cu12 1.5.1, measured here):
   ``"peer"`` (default) is what turns a dead peer into an error instead of a hang, and it needs a transport with a
   peer-failure handler for active messages (tcp): ``UCX_TLS=sm,self`` alone fails backend creation. With UCX_TLS
   unset UCX uses tcp for wire-up/AM and CMA (``process_vm_readv``) for same-host RMA.
+- NIXL's python logger writes INFO to stdout; ``load_nixl`` sends it to stderr at WARNING (``python_log_level``).
 - The passive side needs the progress thread (connection wire-up is handled there). The python wrapper hard-codes
   ``pthrDelay=0``, which spins ~35% of a core per idle agent; ``progress_delay_us`` sets it (100 us: ~2%).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 import types
@@ -81,6 +84,7 @@ class NixlOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prepped: bool = True  # prepared descriptor lists for uniform block batches
     max_prepped_descs: int = 1 << 20  # per side and block size; larger regions fall back to initialize_xfer
     poll_max_sleep_s: float = 0.0005  # ceiling of the completion-poll backoff
+    python_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"  # NIXL's python logger ("nixl")
 
     def __post_init__(self) -> None:
         if self.progress_delay_us < 0:
@@ -107,8 +111,13 @@ class NixlPayload(msgspec.Struct, frozen=True, tag="nixl_payload"):
     regions: list[NixlRegion]
 
 
-def load_nixl() -> types.ModuleType:
-    """The NIXL python API module (``nixl_cu12`` wheel, or the ``nixl`` meta package)."""
+def load_nixl(python_log_level: str = "WARNING") -> types.ModuleType:
+    """The NIXL python API module (``nixl_cu12`` wheel, or the ``nixl`` meta package).
+
+    NIXL's python logger ("nixl") logs INFO lines to *stdout* on every agent and backend creation, which corrupts
+    machine-readable output (``kvstack bench transfer --json``). Its handlers are pointed at stderr and its level set
+    to ``python_log_level`` (process-wide, idempotent).
+    """
     try:
         import nixl_cu12._api as api
     except ImportError:
@@ -116,12 +125,17 @@ def load_nixl() -> types.ModuleType:
             import nixl._api as api  # type: ignore[no-redef]
         except ImportError as exc:
             raise RuntimeError("NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)") from exc
+    nixl_logger = logging.getLogger("nixl")
+    nixl_logger.setLevel(python_log_level)
+    for handler in nixl_logger.handlers:
+        if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+            handler.setStream(sys.stderr)
     return api
 
 
 def nixl_errors(api: types.ModuleType) -> tuple[type[BaseException], ...]:
     """Every exception type the NIXL bindings raise (they share no base class)."""
-    bind = api.nixlBind
+    bind = getattr(api, "nixlBind")  # noqa: B009 (module attribute the stubs do not know)
     return tuple(obj for obj in vars(bind).values() if isinstance(obj, type) and issubclass(obj, Exception)) or (
         Exception,
     )
@@ -134,7 +148,7 @@ def make_agent(api: types.ModuleType, name: str, *, progress_thread: bool, progr
     the constructor the module-level ``nixlBind`` is swapped for a proxy whose ``nixlAgent`` sets our delay; the
     proxy forwards everything else, so a concurrent user of the module sees no difference.
     """
-    real = api.nixlBind
+    real = getattr(api, "nixlBind")  # noqa: B009
 
     def agent_ctor(agent_name: str, cfg: Any) -> Any:
         cfg.pthrDelay = progress_delay_us
@@ -144,11 +158,11 @@ def make_agent(api: types.ModuleType, name: str, *, progress_thread: bool, progr
     proxy.nixlAgent = agent_ctor
     conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
     with _AGENT_CTOR_LOCK:
-        api.nixlBind = proxy
+        setattr(api, "nixlBind", proxy)  # noqa: B010
         try:
             return api.nixl_agent(name, conf)
         finally:
-            api.nixlBind = real
+            setattr(api, "nixlBind", real)  # noqa: B010
 
 
 _AGENT_CTOR_LOCK = threading.Lock()
@@ -193,7 +207,7 @@ class NixlEndpoint(TransferEndpoint):
         self._options = options or NixlOptions()
         self._metrics = metrics or transfer_metrics()
         self._epoch = new_epoch()
-        self._api = load_nixl()
+        self._api = load_nixl(self._options.python_log_level)
         self._errors = nixl_errors(self._api)
         self._nixl_name = f"{agent_name}@{self._epoch}"
         opts = self._options
@@ -214,7 +228,7 @@ class NixlEndpoint(TransferEndpoint):
 
     # ---- TransferEndpoint -----------------------------------------------------------------------------------
     def register(self, buffer: memoryview) -> int:
-        view, addr, length = buffer_address(buffer)
+        view, _, addr, length = buffer_address(buffer)
         with self._lock:
             self._check_open()
             reg = self._agent.register_memory([(addr, length, 0, "")], _DRAM, backends=[self._options.backend])

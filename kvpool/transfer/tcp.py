@@ -291,11 +291,11 @@ class TcpEndpoint(TransferEndpoint):
 
     # ---- TransferEndpoint -----------------------------------------------------------------------------------
     def register(self, buffer: memoryview) -> int:
-        view, _, _ = buffer_address(buffer)
+        view, flat, _, _ = buffer_address(buffer)
         with self._lock:
             self._check_open()
             region_id = len(self._regions)
-            self._regions[region_id] = (view, memoryview(view))
+            self._regions[region_id] = (view, flat)
         return region_id
 
     def metadata(self) -> AgentMetadata:

@@ -80,7 +80,8 @@ class _Class:
 class _Group:
     """Per request and hardware: the constants every replica of that hardware shares."""
 
-    __slots__ = ("bs", "classes", "co", "fast", "hits", "local", "prompt", "recompute", "remote", "split")
+    __slots__ = ("_opts", "_splits", "bs", "classes", "co", "fast", "hits", "local", "prompt", "recompute", "remote",
+                 "split")
 
     def __init__(
         self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float
@@ -90,6 +91,8 @@ class _Group:
         self.bs = bs
         self.hits = hits
         self.split = split
+        self._opts: dict[tuple[int, str], list[tuple[float, Desc]]] = {}
+        self._splits: dict[tuple[int, int, int], tuple[int, float] | None] = {}
         self.recompute = co.prefill(prompt, 0.0)
         remote: tuple[list[Option], list[Option]] = ([], [])
         local: dict[str, list[Option]] = {}
@@ -113,6 +116,15 @@ class _Group:
             c = self.classes[node] = _Class(self.options(0, node)) if node in self.local else self.fast
         return c
 
+    def priced(self, hb: int, node: str) -> list[tuple[float, Desc]]:
+        """``options(hb, node)``, computed once per (prefix, node with a pool hit): replicas holding the same HBM
+        prefix (a shared system prompt) share it. A node without a hit prices as ``""`` (every hit is remote)."""
+        key = (hb, node if node in self.local else "")
+        out = self._opts.get(key)
+        if out is None:
+            out = self._opts[key] = self.options(*key)
+        return out
+
     def options(self, hb: int, node: str) -> list[tuple[float, Desc]]:
         """Every priced action (without the replica's queue) for a replica holding ``hb`` blocks on ``node``."""
         co, bs = self.co, self.bs
@@ -135,8 +147,19 @@ class _Group:
             best = t if t < best else best
         if self.split and opts:
             limit = self.split * best
+            lat, spb, state = co.lat, co.spb, co.state
+            splits = self._splits
             for e in opts:
-                s = co.split(e[3], hbt, e[2] * bs, bs, self.hits[e[1]][0].queue_delay_s)
+                extra = self.hits[e[1]][0].queue_delay_s
+                # The overlap is at least the tail's fixed part (latency + state), so a SPLIT that cannot beat
+                # ``limit`` even with it is skipped unsolved (same floats: every step rounds monotonically).
+                if (lat[e[3]] + extra) + state * spb[e[3]] + e[4] > limit:
+                    continue
+                key = (e[1], e[3], hbt)
+                if key in splits:
+                    s = splits[key]
+                else:
+                    s = splits[key] = co.split(e[3], hbt, e[2] * bs, bs, extra)
                 if s is not None and s[1] + e[4] <= limit:
                     out.append((s[1] + e[4], (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)))
         return out
@@ -186,29 +209,40 @@ class CostBased(RoutingPolicy):
             p = h.prefix_blocks if h.prefix_blocks < max_blocks else max_blocks
             if p > 0:
                 hits.append((h, p))
-        rs = list(cluster.replicas)
+        rs = cluster.replicas
+        if not isinstance(rs, (list, tuple)):
+            rs = list(rs)
         if self._rng is not None and n > 1:
             s = int(self._rng.random() * n)
-            rs = rs[s:] + rs[:s]
+            if s:
+                rs = rs[s:] + rs[:s]
         split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
 
-        # Column views of the replicas (C loops), then one class per (hardware, node) for replicas without an
-        # HBM prefix: every such replica costs its queue plus its class's precomputed best.
-        qs = list(map(_get_q, rs))
-        hbs = list(map(_get_hb, rs))
-        nodes = list(map(_get_node, rs))
-        hws = list(map(_get_hw, rs))
+        # Column views of the replicas (list comprehensions: CPython 3.11 specialises their slot reads, faster than
+        # map(attrgetter)), then one class per (hardware, node) for replicas without an HBM prefix: every such
+        # replica costs its queue plus its class's precomputed best.
+        qs = [r.queue_delay_s for r in rs]
+        nodes = [r.node_id for r in rs]
+        hws = [r.hw for r in rs]
         hw0 = hws[0]
         groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split)}
         cls_map: dict[object, _Class]
         if hws.count(hw0) == n:
             g0 = groups[id(hw0)]
-            node_set = set(nodes)
-            cls_map = dict.fromkeys(node_set, g0.fast)
-            for nd in node_set.intersection(g0.local):
-                cls_map[nd] = g0.node_class(nd)
-            cls_list = list(map(cls_map.__getitem__, nodes))
+            fast = g0.fast
+            local = set(g0.local).intersection(nodes)
+            if local:
+                cls_map = dict.fromkeys(nodes, fast)
+                for nd in local:
+                    cls_map[nd] = g0.node_class(nd)
+                cls_list = [cls_map[nd] for nd in nodes]
+                costs = [q + c.cost for q, c in zip(qs, cls_list)]
+            else:  # no pool hit on any replica's node: one class
+                cls_map = {None: fast}
+                cls_list = [fast] * n
+                fc = fast.cost
+                costs = [q + fc for q in qs]
         else:
             keys = list(zip(map(id, hws), nodes, strict=True))
             cls_map = {}
@@ -218,22 +252,23 @@ class CostBased(RoutingPolicy):
                     if g is None:
                         g = groups[k[0]] = _Group(pricer.coeffs(hw), prompt, bs, hits, split)
                     cls_map[k] = g.node_class(k[1])
-            cls_list = list(map(cls_map.__getitem__, keys))
-        costs = list(map(add, qs, map(_get_cost, cls_list)))
+            cls_list = [cls_map[k] for k in keys]
+            costs = [q + c.cost for q, c in zip(qs, cls_list)]
 
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
         act_desc: list[Desc] = [_RECOMPUTE_DESC] * 4
         # Replicas holding a prefix in HBM: priced one by one.
         special: dict[int, Desc] = {}
-        if max_blocks > 0 and any(hbs):
+        hbs = [r.hbm_prefix_blocks for r in rs] if max_blocks > 0 else ()
+        if any(hbs):
             for i in compress(range(n), hbs):
                 hb = hbs[i]
                 if hb <= 0:
                     continue
                 q = qs[i]
                 best, bd = _INF, _RECOMPUTE_DESC
-                for t, d in groups[id(hws[i])].options(hb if hb < max_blocks else max_blocks, nodes[i]):
+                for t, d in groups[id(hws[i])].priced(hb if hb < max_blocks else max_blocks, nodes[i]):
                     t += q
                     a = d[0]
                     if t < act_cost[a]:
@@ -266,15 +301,13 @@ class CostBased(RoutingPolicy):
 
         # Candidates: the cheapest replicas within the window of the best (at most max_candidates), then the best
         # of each other action.
-        order = sorted(range(n), key=costs.__getitem__)
-        first = order[0]
-        best = costs[first]
+        best = min(costs)
+        first = costs.index(best)
         limit = best + max(self.window_abs_s, self.window_rel * best)
-        top = [first]
-        for i in order[1 : self.max_candidates]:
-            if costs[i] > limit:
-                break
-            top.append(i)
+        top = [i for i, c in enumerate(costs) if c <= limit]  # then a stable sort of the few in the window
+        if len(top) > 1:
+            top.sort(key=costs.__getitem__)
+            del top[self.max_candidates :]
 
         def desc(i: int) -> Desc:
             d = special.get(i)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -42,7 +44,9 @@ class FaultyKvPoolConnector(KvPoolConnector):
                 import ray
 
                 client = worker.shards.client(spec.shard_id)
+                pid = ray.get(client.handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
                 ray.kill(client.handle, no_restart=True)
+                _wait_gone(pid)
             elif mode == "corrupt":
                 first = spec.blocks[0].remote
                 assert first is not None and worker.endpoint is not None
@@ -60,6 +64,18 @@ class FaultyKvPoolConnector(KvPoolConnector):
             FAULT["fired"].append((mode, spec.req_id, spec.shard_id))
             FAULT["mode"] = None
         super().start_load_kv(forward_context, **kwargs)
+
+
+def _wait_gone(pid: int, deadline_s: float = 30.0) -> None:
+    """Return once the process is gone (``ray.kill`` is asynchronous; the shard runs on this machine)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the killed shard (pid {pid}) is still running")
 
 
 def _with_unknown_first_group(kv_cache_config: Any) -> Any:

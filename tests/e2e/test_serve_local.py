@@ -128,6 +128,24 @@ def test_second_turn_reuses_the_holder(server, client) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
 
 
+def test_prefix_fetched_from_the_pool_after_hbm_reset(server, client) -> None:
+    """After every replica dropped its HBM cache, the prefix comes back from a pool shard over NIXL (FETCH), and
+    the tokens equal the first, recomputed answer."""
+    system = "You answer briefly. " + " ".join(f"rule {i}: keep value {i * 3} safe." for i in range(110))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which rule is first?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    time.sleep(2.0)  # the connector's saves become visible shard events; the routers pick them up
+    reset = httpx.post(server["base"][:-3] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
+    assert len(reset) == 2 and all(r["ok"] for r in reset), reset
+    time.sleep(2.0)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
+                                                           temperature=0)
+    again = raw.parse()
+    assert raw.headers["x-kvstack-action"] == "fetch"
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+
+
 def test_two_routers_do_not_herd(server) -> None:
     """Fresh prompts arriving together through two routers spread over both vLLM replicas."""
     import concurrent.futures
@@ -141,6 +159,8 @@ def test_two_routers_do_not_herd(server) -> None:
         responses = list(pool.map(one, range(16)))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     replicas = [r.headers["x-kvstack-replica"] for r in responses]
+    decided = [(r.headers["x-kvstack-target"], r.headers["x-kvstack-replica"]) for r in responses]
+    assert all(t == ran for t, ran in decided if t), f"a request ran elsewhere than decided: {decided}"
     routers = {r.headers["x-kvstack-router"] for r in responses}
     assert len(routers) == 2, "both router replicas served requests"
     counts = sorted(replicas.count(x) for x in set(replicas))
@@ -156,6 +176,7 @@ def test_status_lists_nodes_replicas_shards(server) -> None:
     assert len(workers) == 2
     assert len(status["replicas"]) == 2
     assert len(status["shards"]) == 2
+    assert sum(s["dram_blocks"] + s["ssd_blocks"] for s in status["shards"]) > 0, "the connector saved blocks"
     assert status["decisions"], "recent decisions are listed"
 
 

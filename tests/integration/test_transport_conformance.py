@@ -405,6 +405,18 @@ def test_region_registered_later_is_reachable_after_refresh(
 # ---- deadlines: frozen and killed peers -----------------------------------------------------------------------
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP and wait until the kernel reports the process stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} did not stop")
+
+
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     t0 = time.monotonic()
     out = fn(*args)
@@ -418,7 +430,7 @@ def test_frozen_peer_before_first_contact_fails_within_deadline(
 ) -> None:
     p = start_peer(backend, "shard-f", seed=3)
     own_peer.append(p)
-    os.kill(p.process.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    _freeze(p.process.pid)  # type: ignore[arg-type]
     region, _ = local_region(fresh_client, 16 * MIB)
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
@@ -445,7 +457,7 @@ def test_frozen_peer_after_contact_returns_within_deadline(
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
     assert fresh_client.read(p.name, ops, 20.0).all_ok
     buf[:] = 0
-    os.kill(p.process.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    _freeze(p.process.pid)  # type: ignore[arg-type]
     deadline = 1.5
     result, took = _timed(fresh_client.read, p.name, ops, deadline)
     assert took < deadline + SLACK_S

@@ -1,0 +1,320 @@
+"""E2E: KV reuse through the cluster pool is token-identical to recomputation — real vLLM (CPU build), real Ray
+cluster, real pool shards, real NIXL.
+
+Correctness matrix (``reuse_correctness``, one test per cell): {dense, hybrid} tiny model × {the same engine after
+its HBM prefix cache was reset, another engine in another process on another Ray node (NIXL), after the blocks were
+demoted DRAM → SSD}. Greedy outputs of seeded random prompts with shared prefixes must equal the outputs of a plain
+engine (no connector, no prefix caching), and the pool must actually have supplied blocks.
+Refusal: another dtype or another model under the same model id never loads the other layout's blocks; an unknown
+layout kind stops the engine from starting, naming the kind. Rollback: a request looked up and aborted before it
+was scheduled holds no lease; preempted requests release and re-acquire; a shard killed during a load, or a slot
+corrupted after its lease, ends in recomputation with correct tokens.
+The tiny models are checked to be context-sensitive first, so a wrong block would change the tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from bench.inproc import EngineSpec, connector_stats, decode_result, encode_args, engine_actor, generate
+from tests.e2e.conftest import EngineSlot, Pool
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODELS = ["dense", "hybrid"]
+MAX_TOKENS = 10
+BLOCK = 128
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Six prompts: all share a 2-block system prefix; three also share a document. No length is a multiple of
+    the block size (a hybrid state exists at the last full boundary of each prompt)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(10, 4000) for _ in range(n)]
+
+    system, doc = toks(2 * BLOCK + 40), toks(180)
+    out = [system + toks(rng.randint(20, 200)) for _ in range(3)]
+    out += [system + doc + toks(rng.randint(20, 90)) for _ in range(3)]
+    return [p + toks(1) if len(p) % BLOCK == 0 else p for p in out]
+
+
+PROMPTS = make_prompts()
+
+
+def sched_stats(llm: Any) -> dict[str, Any]:
+    return connector_stats(llm)["scheduler"]
+
+
+def worker_stats(llm: Any) -> dict[str, Any]:
+    return connector_stats(llm)["worker"]
+
+
+class Ctx:
+    """Shared per-module state: references, which models primed the pool, a remote engine actor."""
+
+    def __init__(self, pool: Pool, engines: EngineSlot, models: dict[str, str]) -> None:
+        self.pool, self.engines, self.models = pool, engines, models
+        self._refs: dict[str, list[list[int]]] = {}
+        self._primed: set[str] = set()
+        self.remote: Any = None
+
+    def spec(self, model: str, **kw: Any) -> EngineSpec:
+        return EngineSpec(model=self.models[model], kv_cache_bytes=kw.pop("kv_cache_bytes", 64 << 20),
+                          max_model_len=kw.pop("max_model_len", 2048), **kw)
+
+    def ref(self, model: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+        """Greedy outputs of a plain engine: no connector, no prefix caching (pure recomputation)."""
+        key = (model, tuple(map(tuple, prompts)))
+        if key not in self._refs:
+            llm = self.engines.get(("plain", model), self.spec(model, prefix_caching=False))
+            self._refs[key] = generate(llm, prompts, MAX_TOKENS).tokens  # type: ignore[index]
+        return self._refs[key]  # type: ignore[index]
+
+    def engine(self, model: str) -> Any:
+        cfg = self.pool.config(local="a", model_id=f"e2e-{model}")
+        return self.engines.get(("conn", model), self.spec(model), cfg)
+
+    def primed(self, model: str) -> Any:
+        """The connector engine, after one pass over PROMPTS saved their blocks to shard a."""
+        ref = self.ref(model)
+        llm = self.engine(model)
+        if model not in self._primed:
+            out = generate(llm, PROMPTS, MAX_TOKENS).tokens
+            assert out == ref, "the saving pass itself must produce the reference tokens"
+            assert worker_stats(llm)["blocks_committed"] > 0
+            self._primed.add(model)
+        return llm
+
+
+@pytest.fixture(scope="module")
+def ctx(pool: Pool, engines: EngineSlot, tiny_models: dict[str, str]) -> Any:
+    c = Ctx(pool, engines, tiny_models)
+    yield c
+    if c.remote is not None:
+        import ray
+
+        try:
+            ray.get(c.remote.close.remote(), timeout=60)
+        finally:
+            ray.kill(c.remote, no_restart=True)
+
+
+def run_after_hbm_reset(llm: Any) -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
+    llm.reset_prefix_cache()
+    s0, w0 = sched_stats(llm), worker_stats(llm)
+    out = generate(llm, PROMPTS, MAX_TOKENS).tokens
+    s1, w1 = sched_stats(llm), worker_stats(llm)
+    return out, {k: s1[k] - s0[k] for k in s0}, {k: w1[k] - w0[k] for k in w0}
+
+
+# ---------------------------------------------------------------------------------------------- sanity
+@pytest.mark.parametrize("model", MODELS)
+def test_tiny_model_is_context_sensitive(ctx: Ctx, model: str) -> None:
+    """Replacing the tokens of one early block changes the greedy continuation: a wrong block cannot go unnoticed."""
+    rng = random.Random(99)
+    other = [rng.randrange(10, 4000) for _ in range(BLOCK)]
+    changed = [list(p) for p in PROMPTS]
+    for p in changed:
+        p[BLOCK : 2 * BLOCK] = other
+    a, b = ctx.ref(model), ctx.ref(model, changed)
+    assert sum(x != y for x, y in zip(a, b, strict=True)) >= len(PROMPTS) - 1
+
+
+# ---------------------------------------------------------------------------------------------- the matrix
+@pytest.mark.reuse_correctness
+@pytest.mark.parametrize("model", MODELS)
+def test_same_engine_after_hbm_reset(ctx: Ctx, model: str) -> None:
+    llm = ctx.primed(model)
+    out, ds, dw = run_after_hbm_reset(llm)
+    assert out == ctx.ref(model)
+    assert dw["blocks_loaded"] > 0 and dw["bytes_read"] > 0
+    assert dw["load_failures"] == 0 and dw["checksum_failures"] == 0
+    assert ds["hit_tokens"] >= len(PROMPTS) * 2 * BLOCK  # at least the shared system prefix of every prompt
+    assert ds["leases_taken"] == ds["leases_released"] and not connector_stats(llm)["held_leases"]
+
+
+@pytest.mark.reuse_correctness
+@pytest.mark.parametrize("model", MODELS)
+def test_other_engine_on_other_node_via_nixl(ctx: Ctx, model: str) -> None:
+    import ray
+
+    from kvpool.connector_config import ConnectorConfig
+
+    ctx.primed(model)
+    # Discovery mode: the engine finds the named shards itself; its local shard (saves) is node b's.
+    cfg = ConnectorConfig(model_id=f"e2e-{model}")
+    spec = ctx.spec(model)
+    if ctx.remote is None:
+        ctx.remote = engine_actor(spec, cfg, scheduling_strategy=ctx.pool.cluster.affinity("b"))
+    else:
+        ray.get(ctx.remote.reload.remote(*encode_args(spec, cfg)), timeout=300)
+    out = decode_result(ray.get(ctx.remote.generate.remote(PROMPTS, MAX_TOKENS), timeout=300)).tokens
+    stats = ray.get(ctx.remote.stats.remote(), timeout=60)
+    assert out == ctx.ref(model)
+    assert stats["worker"]["blocks_loaded"] > 0 and stats["worker"]["bytes_read"] > 0
+    assert stats["worker"]["load_failures"] == 0
+    assert stats["scheduler"]["hit_tokens"] >= len(PROMPTS) * 2 * BLOCK
+
+
+@pytest.mark.reuse_correctness
+@pytest.mark.parametrize("model", MODELS)
+def test_after_dram_to_ssd_demotion(ctx: Ctx, model: str) -> None:
+    llm = ctx.primed(model)
+    shard = ctx.pool.client("a")
+    moved = shard.demote(shard.snapshot().keys)
+    assert moved > 0 and shard.stats().ssd.blocks >= moved
+    before = shard.stats().counters
+    out, ds, dw = run_after_hbm_reset(llm)
+    after = shard.stats().counters
+    assert out == ctx.ref(model)
+    assert after["hits_ssd"] > before["hits_ssd"] and after["promotions"] > before["promotions"]
+    assert dw["blocks_loaded"] > 0 and dw["load_failures"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- refusal
+@pytest.mark.parametrize("other", ["dtype", "model"])
+def test_other_layout_under_same_model_id_is_never_loaded(ctx: Ctx, other: str) -> None:
+    """A float16 engine of the same model, or the hybrid model, configured with the dense model's model id: the
+    pool holds the dense bf16 blocks of the very same prompts, yet nothing is loaded."""
+    from kvpool.keys import Namespace, block_keys
+
+    dense = ctx.primed("dense")
+    dense_fp = connector_stats(dense)["fingerprint"]
+    model = "dense" if other == "dtype" else "hybrid"
+    spec = ctx.spec(model, dtype="float16" if other == "dtype" else "bfloat16")
+    llm = ctx.engines.get(("other-layout", other), spec, ctx.pool.config(local="a", model_id="e2e-dense", save=False))
+    generate(llm, PROMPTS, MAX_TOKENS)
+    stats = connector_stats(llm)
+    assert stats["fingerprint"] != dense_fp
+    assert stats["scheduler"]["hit_tokens"] == 0 and stats["worker"]["loads"] == 0
+    # The store's own check: the dense blocks' keys, asked for under the other layout's fingerprint, are a miss.
+    keys = block_keys(Namespace("e2e-dense", dense_fp), PROMPTS[0], BLOCK)
+    shard = ctx.pool.client("a")
+    assert shard.lookup(keys, dense_fp).result.prefix > 0
+    assert shard.lookup(keys, stats["fingerprint"]).result.prefix == 0
+
+
+def test_unknown_layout_kind_refuses_to_start(ctx: Ctx) -> None:
+    ctx.engines.close()
+    with pytest.raises(Exception) as info:
+        ctx.engines.get(("unknown-kind",), ctx.spec("dense"), ctx.pool.config(local="a"),
+                        connector_class=("UnknownKindKvPoolConnector", "tests.e2e.faulty_connector"))
+    text, exc = "", info.value
+    while exc is not None:
+        text += f" {exc}"
+        exc = exc.__cause__ or exc.__context__
+    assert "ChunkedLocalAttentionSpec" in text and "refuses" in text
+    ctx.engines.close()
+
+
+# ---------------------------------------------------------------------------------------------- rollback
+SLOT = 256 * 1024  # one dense tiny block: 4 layers x 64 KiB
+
+
+def small_engine(ctx: Ctx) -> Any:
+    """A dense engine with 10 KV blocks, whose pool already holds PROMPTS[:2]."""
+    ref = ctx.ref("dense")[:2]  # first: computing it may switch the engine slot
+    spec = ctx.spec("dense", kv_cache_bytes=10 * SLOT, max_model_len=1024)
+    llm = ctx.engines.get(("small",), spec, ctx.pool.config(local="a", model_id="e2e-dense"))
+    if "small" not in ctx._primed:
+        assert generate(llm, PROMPTS[:2], MAX_TOKENS).tokens == ref
+        ctx._primed.add("small")
+    return llm
+
+
+def _drain(engine: Any, outs: dict[str, list[int]], on_step: Any = None) -> None:
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+        assert steps < 5000
+
+
+def test_aborted_before_scheduling_holds_no_lease(ctx: Ctx) -> None:
+    from vllm import SamplingParams
+
+    llm = small_engine(ctx)
+    llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    filler = [random.Random(7).randrange(10, 4000) for _ in range(850)]  # 7 of the 9 usable blocks, then decodes
+    engine.add_request("filler", {"prompt_token_ids": filler},
+                       SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+    engine.step()
+    lookups = sched_stats(llm)["lookups"]
+    engine.add_request("late", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    # It was looked up (the pool holds its prefix) but could not be scheduled: the cache is full.
+    assert sched_stats(llm)["lookups"] > lookups
+    assert "late" not in str(connector_stats(llm)["held_leases"]) and ctx.pool.leases()["a"] == 0
+    engine.abort_request(["late"])
+    engine.step()
+    assert not connector_stats(llm)["held_leases"] and ctx.pool.leases()["a"] == 0
+    engine.abort_request(["filler"])
+    _drain(engine, {})
+    assert ctx.pool.leases()["a"] == 0
+
+
+def test_preempted_requests_release_and_reacquire(ctx: Ctx) -> None:
+    from vllm import SamplingParams
+
+    llm = small_engine(ctx)
+    llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    s0 = sched_stats(llm)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(f"p{i}", {"prompt_token_ids": p}, sp)
+    held: list[Any] = []
+
+    def preempt(step: int) -> None:
+        if step == 3:  # both loaded and decoding: preempt everything and drop the HBM cache
+            held.append(connector_stats(llm)["held_leases"])
+            assert engine.reset_prefix_cache(reset_running_requests=True)
+
+    outs: dict[str, list[int]] = {}
+    _drain(engine, outs, preempt)
+    s1 = sched_stats(llm)
+    assert [outs["p0"], outs["p1"]] == ctx.ref("dense")[:2]
+    assert len(held[0]) == 2  # both held a lease when preempted
+    assert s1["preempted_releases"] - s0["preempted_releases"] == 2
+    assert s1["leases_taken"] - s0["leases_taken"] == 4  # re-acquired after the preemption
+    assert s1["leases_released"] - s0["leases_released"] == 4
+    assert not connector_stats(llm)["held_leases"] and ctx.pool.leases()["a"] == 0
+
+
+@pytest.mark.parametrize(("model", "fault"), [("dense", "kill_shard"), ("hybrid", "corrupt"), ("dense", "corrupt")])
+def test_failed_load_is_recomputed(ctx: Ctx, model: str, fault: str) -> None:
+    """A shard killed right before the load (dense: vLLM gets the failed block ids) or a leased slot corrupted
+    before it is read (hybrid: the whole request is reported failed) — the request completes with the reference
+    tokens, recomputed."""
+    from tests.e2e import faulty_connector
+
+    node = "c" if fault == "kill_shard" else "a"
+    cfg = ctx.pool.config(local=node, nodes=(node,), model_id=f"e2e-{model}-{fault}", transfer_deadline_s=5.0)
+    ref = ctx.ref(model)  # first: computing it may switch the engine slot
+    llm = ctx.engines.get(("faulty", model, fault), ctx.spec(model), cfg,
+                          connector_class=("FaultyKvPoolConnector", "tests.e2e.faulty_connector"))
+    assert generate(llm, PROMPTS, MAX_TOKENS).tokens == ref  # saves to the shard
+    llm.reset_prefix_cache()
+    faulty_connector.arm(fault)
+    w0 = worker_stats(llm)
+    out = generate(llm, PROMPTS, MAX_TOKENS).tokens
+    w1 = worker_stats(llm)
+    assert faulty_connector.FAULT["fired"], "the fault did not fire"
+    assert out == ref
+    assert w1["load_failures"] > w0["load_failures"]
+    if fault == "corrupt":
+        assert w1["checksum_failures"] > w0["checksum_failures"]
+    assert not connector_stats(llm)["held_leases"]
+    ctx.engines.close()
