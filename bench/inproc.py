@@ -50,6 +50,7 @@ class GenResult(msgspec.Struct, frozen=True):
 def engine_env() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # these engines run in this process, whatever else set it
 
 
 def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class: tuple[str, str] | None = None) -> Any:
@@ -94,6 +95,27 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
         first = getattr(m, "first_token_latency", None) if m is not None else None
         ttfts.append(float(first) if first is not None else -1.0)
     return GenResult([list(o.outputs[0].token_ids) for o in outs], ttfts, wall)
+
+
+def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int]]:
+    """(TTFT, tokens) of one greedy request, stepping the engine here: TTFT = add_request → first output token."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, sp)
+    ttft = -1.0
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if ttft < 0 and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    return ttft, tokens
 
 
 def scheduler_connector(llm: Any) -> Any:

@@ -111,8 +111,8 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     assert ok.usage.completion_tokens == 3
 
 
-def test_second_turn_reuses_the_holder(server, client) -> None:
-    """A long shared prefix: the second request goes to the replica that computed it (HOLDER), same tokens."""
+def test_second_turn_reuses_the_prefix(server, client) -> None:
+    """A long shared prefix: the second turn reuses it (HOLDER, or FETCH from the pool) and gives the same tokens."""
     system = "You are a careful assistant. " + " ".join(f"fact {i} is number {i * 7}." for i in range(120))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is fact 3?"}]
     raw_first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
@@ -123,8 +123,11 @@ def test_second_turn_reuses_the_holder(server, client) -> None:
                                                                   temperature=0)
     second = raw_second.parse()
     assert second.choices[0].message.content == first.choices[0].message.content
-    assert raw_second.headers["x-kvstack-action"] == "holder"
-    assert raw_second.headers["x-kvstack-replica"] == raw_first.headers["x-kvstack-replica"]
+    # The holder is the cheapest (its HBM already has the prefix); a fetch of the same prefix onto the other
+    # replica is priced within a few ms of it on this box, so both are right answers, never a recompute.
+    assert raw_second.headers["x-kvstack-action"] in ("holder", "fetch")
+    if raw_second.headers["x-kvstack-action"] == "holder":
+        assert raw_second.headers["x-kvstack-replica"] == raw_first.headers["x-kvstack-replica"]
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
 
 

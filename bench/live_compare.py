@@ -1,0 +1,535 @@
+"""Live policy comparison: one fresh ``kvstack serve`` per policy, the same ``kvstack bench agent`` run against each.
+
+    flock /tmp/kvstack-heavy.lock timeout -k 60 2400 .venv/bin/python -m bench.live_compare \\
+        --out bench/reports/live_agent_compare
+    .venv/bin/python -m bench.live_compare --dry-run     # validate the config, size the prompts; starts nothing
+
+Per policy (default round_robin, prefix_affinity, cost_based, in that order): start ``kvstack serve --policy P``
+on a free port with the heavy tiny model (``--serve-set`` overrides; fresh SSD dir and state file under
+``--work-dir``), wait for "is serving" (bounded), send a few unrelated warm-up requests and reset the replicas'
+prefix caches, run ``kvstack bench agent`` as a subprocess (bounded) with ``--save-requests``, SIGTERM the server
+and wait for it to exit (bounded; then SIGKILL of its own process group), and check that no process of its session
+is left. Then aggregate: TTFT p50/p90/p99 per policy, ``--subject`` / other ratios of p50 and p99 with bootstrap
+95% intervals (requests resampled), decisions by action and hit tokens by tier (the router's ``/metrics`` deltas
+the agent bench recorded). Writes ``report.md``, ``results.json`` and the plots (kept only under 200 KB) into
+``--out``; raw per-policy results and server logs stay under ``--work-dir``.
+
+Called by hand (the issue-7 live check); ``configure``/``run`` follow the ``kvstack`` command convention so the
+lead can wire it as a CLI row. Every wait has a deadline; SIGTERM/SIGINT of this process stops the running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_POLICIES = "round_robin,prefix_affinity,cost_based"
+HEAVY_MODEL = "tiny-qwen3-heavy"
+DEFAULT_SERVE_SET = (
+    "tiny_model.preset=heavy",
+    f"app.engine.model_path=.kvstack/models/{HEAVY_MODEL}",
+    f"app.engine.served_model_name={HEAVY_MODEL}",
+    f"app.router.model_spec={HEAVY_MODEL}",
+)
+# Sized for a loaded 2-core box: ~1.6k-token shared prefix (3 variants), 3-5 turns of ~80-400 new tokens each,
+# about 2 sessions in flight, ~0.3 requests/s; contexts stay under 4k tokens (max_model_len 4096).
+WORKLOAD_DEFAULTS: dict[str, Any] = {
+    "sessions_per_s": 0.08,
+    "system_prompt_variants": 3,
+    "system_prompt_words": 400,
+    "tools": 2,
+    "tool_description_words": 24,
+    "turns_min": 3,
+    "turns_max": 5,
+    "user_words": 24,
+    "tool_result_words": 120,
+    "tool_result_fraction": 0.6,
+    "think_time_s": 3.0,
+    "max_output_tokens": 16,
+    "seed": 0,
+}
+# AgentWorkload-shaped args of ``kvstack bench agent`` (dest -> flag), passed through unchanged.
+AGENT_FLAGS: dict[str, str] = {
+    "sessions_per_s": "--sessions-per-s",
+    "system_prompt_variants": "--system-prompt-variants",
+    "system_prompt_words": "--system-prompt-words",
+    "tools": "--tools",
+    "tool_description_words": "--tool-description-words",
+    "turns_min": "--turns-min",
+    "turns_max": "--turns-max",
+    "user_words": "--user-words",
+    "tool_result_words": "--tool-result-words",
+    "tool_result_fraction": "--tool-result-fraction",
+    "think_time_s": "--think-time-s",
+    "max_output_tokens": "--max-output-tokens",
+    "seed": "--seed",
+    "tools_mode": "--tools-mode",
+    "max_requests": "--max-requests",
+    "duration_s": "--duration-s",
+    "request_timeout_s": "--request-timeout-s",
+}
+PLOT_LIMIT_BYTES = 200 * 1024
+BOOTSTRAP_ITERS = 2000
+
+
+class Interrupted(Exception):
+    """SIGTERM / SIGINT arrived: stop the running server and write what was measured."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from bench.agent_cli import add_workload_args
+
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated, run in this order")
+    parser.add_argument("--subject", default="cost_based", help="ratios are subject / each other policy")
+    parser.add_argument("--out", type=Path, default=REPO / "bench/reports/live_agent_compare",
+                        help="report directory (report.md, results.json, small PNGs)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="logs, raw per-policy results, SSD dirs (default .kvstack/live_compare/<time>)")
+    parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
+                        help=f"kvstack serve --set overrides (default: the heavy tiny model: {list(DEFAULT_SERVE_SET)})")
+    parser.add_argument("--ready-timeout-s", type=float, default=720.0, help="wait for 'is serving' at most this")
+    parser.add_argument("--stop-timeout-s", type=float, default=180.0, help="wait for serve to exit at most this")
+    parser.add_argument("--warmup-requests", type=int, default=4, help="unrelated requests before each run")
+    parser.add_argument("--dry-run", action="store_true", help="validate and size the workload; start nothing")
+    add_workload_args(parser)
+    g = parser.add_argument_group("agent run")
+    g.add_argument("--tools-mode", choices=["tools", "user"], default="user",
+                   help="user (default): tool definitions in the system prompt (the tiny chat template ignores `tools`)")
+    g.add_argument("--max-requests", type=int, default=80)
+    g.add_argument("--duration-s", type=float, default=210.0)
+    g.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.set_defaults(**WORKLOAD_DEFAULTS)
+
+
+# ------------------------------------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (serve runs as a session leader; Ray's processes inherit its session)."""
+    import psutil
+
+    out = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+@dataclass
+class ServerRun:
+    """One ``kvstack serve`` subprocess and what happened to it."""
+
+    policy: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ready_s: float | None = None
+    stop_s: float | None = None
+    exit_code: int | None = None
+    killed: bool = False
+    leftover_pids: list[int] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, serve_set: list[str], work: Path, deadline_s: float) -> None:
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", self.policy, "--port", str(self.port),
+               "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}"]
+        for item in serve_set:
+            cmd += ["--set", item]
+        t0 = time.monotonic()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            text = self.log.read_text(errors="replace")
+            if "is serving" in text:
+                self.ready_s = time.monotonic() - t0
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvstack serve ({self.policy}) exited {self.proc.returncode}:\n{text[-3000:]}")
+            if time.monotonic() - t0 > deadline_s:
+                raise TimeoutError(f"kvstack serve ({self.policy}) not serving within {deadline_s:.0f} s:\n{text[-3000:]}")
+            time.sleep(1.0)
+
+    def stop(self, deadline_s: float) -> None:
+        """SIGTERM, wait (bounded), SIGKILL the group if needed, then list (and kill) leftovers of its session."""
+        proc = self.proc
+        if proc is None:
+            return
+        t0 = time.monotonic()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=deadline_s)
+            except subprocess.TimeoutExpired:
+                self.killed = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        self.exit_code = proc.returncode
+        # Ray processes may outlive the driver by a moment: give them a bounded grace period.
+        grace = time.monotonic() + 30.0
+        left = _session_pids(proc.pid)
+        while left and time.monotonic() < grace:
+            time.sleep(1.0)
+            left = _session_pids(proc.pid)
+        self.leftover_pids = left
+        for pid in left:  # ours (same session as the serve we started): do not leave them running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.stop_s = time.monotonic() - t0
+
+    def summary(self) -> dict[str, Any]:
+        return {"port": self.port, "ready_s": self.ready_s, "stop_s": self.stop_s, "exit_code": self.exit_code,
+                "killed_after_timeout": self.killed, "leftover_pids": self.leftover_pids, "log": str(self.log)}
+
+
+def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
+    """``n`` unrelated requests (two at a time, so both replicas see some), then drop every replica's HBM cache."""
+    import concurrent.futures
+
+    import httpx
+
+    def one(i: int) -> float:
+        body = {"model": model, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": f"warm up {i}: " + "lorem ipsum dolor " * (40 * (i % 3 + 1))}]}
+        t = time.monotonic()
+        r = httpx.post(endpoint + "/chat/completions", json=body, timeout=180)
+        r.raise_for_status()
+        return time.monotonic() - t
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        times = list(pool.map(one, range(n)))
+    reset = httpx.post(endpoint[: -len("/v1")] + "/kvstack/admin/reset_prefix_cache", timeout=120)
+    ok = reset.status_code == 200 and all(r.get("ok") for r in reset.json())
+    return {"requests": n, "seconds": times, "prefix_cache_reset_ok": ok}
+
+
+def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -> list[str]:
+    argv = [sys.executable, "-m", "cluster.cli", "bench", "agent", "--endpoint", endpoint, "--label", label,
+            "--out", str(out), "--save-requests", "--no-progress"]
+    for dest, flag in AGENT_FLAGS.items():
+        argv += [flag, str(getattr(args, dest))]
+    return argv
+
+
+def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str) -> dict[str, Any]:
+    """Serve, warm up, bench, stop — for one policy. Returns its entry for results.json (``error`` on failure)."""
+    pdir = work / policy
+    pdir.mkdir(parents=True, exist_ok=True)
+    server = ServerRun(policy, _free_port(), pdir / "serve.log")
+    entry: dict[str, Any] = {"policy": policy, "load_avg_before": list(os.getloadavg())}
+    t0 = time.monotonic()
+    try:
+        print(f"[live-compare] {policy}: starting kvstack serve on :{server.port}", file=sys.stderr, flush=True)
+        server.start(serve_set, pdir, args.ready_timeout_s)
+        print(f"[live-compare] {policy}: serving after {server.ready_s:.0f} s; warming up", file=sys.stderr, flush=True)
+        entry["warmup"] = warm_up(server.endpoint, model, args.warmup_requests)
+        time.sleep(2.0)  # let the routers see the emptied caches
+        argv = agent_argv(args, server.endpoint, policy, pdir / "agent")
+        entry["agent_command"] = argv
+        t_bench = time.monotonic()
+        with open(pdir / "agent.log", "wb") as log:
+            proc = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.duration_s + args.request_timeout_s + 120.0)
+        entry["bench_wall_s"] = time.monotonic() - t_bench
+        entry["agent_exit_code"] = proc.returncode
+        result_file = pdir / "agent" / "result.json"
+        if not result_file.exists():
+            raise RuntimeError(f"bench agent wrote no result (exit {proc.returncode}); see {pdir / 'agent.log'}")
+        entry["result"] = json.loads(result_file.read_text())
+        print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
+              f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        entry["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+        print(f"[live-compare] {policy}: FAILED {entry['error'][:500]}", file=sys.stderr, flush=True)
+    finally:
+        server.stop(args.stop_timeout_s)
+        entry["server"] = server.summary()
+        entry["load_avg_after"] = list(os.getloadavg())
+        entry["wall_s"] = time.monotonic() - t0
+        if server.leftover_pids:
+            print(f"[live-compare] {policy}: killed leftover pids {server.leftover_pids}", file=sys.stderr, flush=True)
+    return entry
+
+
+# ------------------------------------------------------------------------------------------- aggregation
+def ttfts(result: dict[str, Any]) -> list[float]:
+    """TTFTs of the successful requests of a ``bench agent`` result saved with ``--save-requests``."""
+    return [r["ttft_s"] for r in result.get("request_log", [])
+            if r.get("ttft_s") is not None and r.get("error") is None and not r.get("cancelled")]
+
+
+def ratio_with_ci(a: list[float], b: list[float], q: float, *, iters: int = BOOTSTRAP_ITERS,
+                  seed: int = 0) -> dict[str, float | None]:
+    """``percentile(a, q) / percentile(b, q)`` and a bootstrap 95% interval (each sample resampled on its own)."""
+    if not a or not b:
+        return {"ratio": None, "ci_low": None, "ci_high": None}
+    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    pb = float(np.percentile(xb, q))
+    if pb <= 0:
+        return {"ratio": None, "ci_low": None, "ci_high": None}
+    rng = np.random.default_rng(seed)
+    ra = np.percentile(xa[rng.integers(0, xa.size, (iters, xa.size))], q, axis=1)
+    rb = np.percentile(xb[rng.integers(0, xb.size, (iters, xb.size))], q, axis=1)
+    boot = ra / np.maximum(rb, 1e-12)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"ratio": float(np.percentile(xa, q)) / pb, "ci_low": float(lo), "ci_high": float(hi)}
+
+
+def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of one policy that the report shows (None where the run failed)."""
+    r = entry.get("result")
+    if r is None:
+        return {"policy": entry["policy"], "error": entry.get("error", "no result")}
+    router = r.get("router") or {}
+    prompt = sum(x.get("prompt_tokens") or 0 for x in r.get("request_log", [])
+                 if x.get("error") is None and not x.get("cancelled") and x.get("ttft_s") is not None)
+    hits = {k: float(v) for k, v in (router.get("hit_tokens_by_tier") or {}).items()}
+    return {
+        "policy": entry["policy"],
+        "requests": r["requests"],
+        "sessions": r.get("sessions"),
+        "ttft_s": r["ttft_s"],
+        "tpot_s": r["tpot_s"],
+        "e2e_s": r["e2e_s"],
+        "throughput": r["throughput"],
+        "per_turn": r.get("per_turn", []),
+        "decisions_by_action": {k: float(v) for k, v in (router.get("decisions_by_action") or {}).items()},
+        "hit_tokens_by_tier": hits,
+        "prompt_tokens_ok": prompt,
+        "hit_fraction": (sum(hits.values()) / prompt) if prompt else None,
+        "router_metrics_available": bool(router.get("available")),
+        "errors": r.get("errors"),
+        "load_avg_before": entry.get("load_avg_before"),
+        "load_avg_after": entry.get("load_avg_after"),
+        "server_ready_s": (entry.get("server") or {}).get("ready_s"),
+        "bench_wall_s": entry.get("bench_wall_s"),
+    }
+
+
+def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
+    rows = [policy_row(e) for e in entries]
+    samples = {e["policy"]: ttfts(e["result"]) for e in entries if e.get("result")}
+    ratios: dict[str, dict[str, Any]] = {}
+    if subject in samples:
+        for other, xs in samples.items():
+            if other != subject:
+                ratios[f"{subject}/{other}"] = {
+                    "p50": ratio_with_ci(samples[subject], xs, 50),
+                    "p99": ratio_with_ci(samples[subject], xs, 99),
+                    "mean": (float(np.mean(samples[subject])) / float(np.mean(xs))) if xs and samples[subject] else None,
+                }
+    return {"rows": rows, "ratios": ratios, "ttft_samples": samples}
+
+
+# ------------------------------------------------------------------------------------------- report
+def _f(v: Any, fmt: str = ".3f") -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _kv(d: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:,.0f}" for k, v in sorted(d.items())) or "–"
+
+
+def _ratio_cell(r: dict[str, Any]) -> str:
+    if r.get("ratio") is None:
+        return "–"
+    return f"{r['ratio']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+
+
+def render_report(payload: dict[str, Any], plots: list[str]) -> str:
+    agg, meta = payload["aggregate"], payload["meta"]
+    lines = ["# Live policy comparison: `kvstack bench agent` against each routing policy", "",
+             f"Run {meta['started_utc']} on {meta['host']}, wall {meta['wall_s']:.0f} s. Model `{meta['model']}`, "
+             f"2 vLLM replicas (CPU build) on a local Ray cluster of a head + 2 worker nodes, KV pool on. "
+             f"One fresh `kvstack serve` per policy, run in the order {', '.join(meta['policies'])}.", "",
+             "Command:", "", "```", meta["command"], "```", "",
+             "## TTFT and routing per policy", ""]
+    header = ["policy", "ok/sent", "err", "TTFT p50 s", "p90", "p99", "mean", "TPOT p50 s", "decisions by action",
+              "hit tokens by tier", "hit / prompt tok", "load avg (1 min) before→after"]
+    table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in agg["rows"]:
+        if "error" in row:
+            table.append(f"| {row['policy']} | failed: {row['error'][:120].replace('|', '/')} |" + " |" * (len(header) - 2))
+            continue
+        rq, t = row["requests"], row["ttft_s"]
+        la, lb = row.get("load_avg_before") or [None], row.get("load_avg_after") or [None]
+        table.append("| " + " | ".join([
+            row["policy"], f"{rq['ok']}/{rq['sent']}", str(rq["errors"]), _f(t["p50"]), _f(t["p90"]), _f(t["p99"]),
+            _f(t["mean"]), _f(row["tpot_s"]["p50"], ".4f"), _kv(row["decisions_by_action"]),
+            _kv(row["hit_tokens_by_tier"]), _f(row["hit_fraction"], ".2f"), f"{_f(la[0], '.1f')}→{_f(lb[0], '.1f')}",
+        ]) + " |")
+    lines += table + [""]
+    if agg["ratios"]:
+        lines += ["## Ratios (bootstrap 95% interval, requests resampled)", "",
+                  "| ratio | TTFT p50 | TTFT p99 | TTFT mean |", "|---|---|---|---|"]
+        for name, r in agg["ratios"].items():
+            lines.append(f"| {name} | {_ratio_cell(r['p50'])} | {_ratio_cell(r['p99'])} | {_f(r['mean'], '.2f')}"
+                         f"{'×' if r['mean'] is not None else ''} |")
+        lines.append("")
+    w = meta["workload"]
+    lines += ["## Workload", "",
+              f"Agent sessions (Poisson, {w['sessions_per_s']}/s), {w['system_prompt_variants']} shared system-prompt "
+              f"variants of {w['system_prompt_words']} words + {w['tools']} tool definitions ({w['tools_mode']} mode), "
+              f"{w['turns_min']}-{w['turns_max']} turns of {w['user_words']}-word user messages or "
+              f"{w['tool_result_words']}-word tool results (fraction {w['tool_result_fraction']}), think time "
+              f"{w['think_time_s']} s mean, max_tokens {w['max_output_tokens']}, seed {w['seed']}; bounded by "
+              f"{w['max_requests']} requests / {w['duration_s']:.0f} s per policy. "
+              + (f"Sized: {meta['sizing']['shared_prefix_tokens']} shared-prefix tokens, prompts up to "
+                 f"{meta['sizing']['max_prompt_tokens']} tokens (estimate)." if meta.get("sizing") else ""), ""]
+    lines += [f"![{p}]({p})" for p in plots] + [""]
+    lines += ["Raw per-policy results, server and bench logs: `" + meta["work_dir"] + "` (not committed).", ""]
+    return "\n".join(lines)
+
+
+def write_plots(agg: dict[str, Any], out: Path) -> list[str]:
+    from bench import plots
+
+    written = [plots.ttft_cdf(agg["ttft_samples"], out / "ttft_cdf.png", title="live TTFT CDF per policy")]
+    per_turn = {r["policy"]: r["per_turn"] for r in agg["rows"] if "per_turn" in r}
+    if per_turn:
+        written.append(plots.ttft_by_turn(per_turn, out / "ttft_by_turn.png"))
+    hits = {r["policy"]: r["hit_tokens_by_tier"] for r in agg["rows"] if r.get("hit_tokens_by_tier")}
+    if hits:
+        written.append(plots.hit_tokens_by_tier(hits, out / "hit_tokens_by_tier.png"))
+    kept = []
+    for p in written:
+        if p.stat().st_size < PLOT_LIMIT_BYTES:
+            kept.append(p.name)
+        else:
+            p.unlink()
+    return kept
+
+
+# ------------------------------------------------------------------------------------------- sizing
+def size_workload(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
+    """Token counts of the planned prompts (assistant replies approximated by ``max_output_tokens`` filler words)."""
+    from transformers import AutoTokenizer
+
+    from bench.agent import plan_sessions, system_prompt, tool_definitions, turn_text
+    from bench.agent_cli import workload_from_args
+
+    w = workload_from_args(args)
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    sessions = plan_sessions(w, horizon_s=args.duration_s)
+    tools_text = "\nTools:\n" + json.dumps(tool_definitions(w)) if w.tool_count else ""
+
+    def count(messages: list[dict[str, str]]) -> int:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(tok(text, add_special_tokens=False).input_ids)
+
+    shared = count([{"role": "system", "content": system_prompt(w, 0) + tools_text}])
+    longest = 0
+    planned = 0
+    for s in sessions:
+        msgs = [{"role": "system", "content": system_prompt(w, s.variant) + tools_text}]
+        for t, turn in enumerate(s.turns):
+            text = turn_text(w, s.session_id, t, turn.words)
+            msgs.append({"role": "user", "content": text if turn.kind == "user" else "Tool result:\n" + text})
+            longest = max(longest, count(msgs))
+            msgs.append({"role": "assistant", "content": " ".join(["ka"] * w.max_output_tokens)})
+            planned += 1
+    return {"sessions_in_horizon": len(sessions), "requests_in_horizon": planned,
+            "shared_prefix_tokens": shared, "max_prompt_tokens": longest}
+
+
+# ------------------------------------------------------------------------------------------- entry point
+def run(args: argparse.Namespace) -> int:
+    from cluster.commands.serve import DEFAULT_CONFIG
+    from cluster.serve_config import load_serve_config
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    serve_set = list(args.serve_set) if args.serve_set else list(DEFAULT_SERVE_SET)
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in serve_set)}
+    try:
+        cfg = load_serve_config(DEFAULT_CONFIG, overrides)
+        for p in policies:
+            load_serve_config(DEFAULT_CONFIG, {**overrides, "app.router.policy": p})
+    except Exception as exc:  # noqa: BLE001 - config errors of any kind are usage errors here
+        print(f"live_compare: bad serve config: {exc}", file=sys.stderr)
+        return 2
+    model_path = REPO / cfg.app.engine.model_path
+    sizing = size_workload(args, model_path) if (model_path / "tokenizer.json").exists() else None
+    if sizing and sizing["max_prompt_tokens"] + args.max_output_tokens > cfg.app.engine.max_model_len:
+        print(f"live_compare: prompts reach {sizing['max_prompt_tokens']} tokens, over max_model_len "
+              f"{cfg.app.engine.max_model_len}; shrink the workload", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps({"policies": policies, "serve_set": serve_set, "sizing": sizing,
+                          "agent_argv": agent_argv(args, "http://127.0.0.1:PORT/v1", "POLICY", Path("OUT"))}, indent=2))
+        return 0
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    work = (args.work_dir or REPO / ".kvstack/live_compare" / stamp).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupt)
+    t0 = time.monotonic()
+    entries: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for policy in policies:
+            entries.append(run_policy(args, policy, work, serve_set, cfg.app.engine.served_model_name))
+            (work / "entries.json").write_text(json.dumps(entries, indent=2, sort_keys=True))
+    except Interrupted:
+        interrupted = True
+        print("[live-compare] interrupted; writing what was measured", file=sys.stderr, flush=True)
+    workload = {k: getattr(args, k) for k in AGENT_FLAGS}
+    meta = {
+        "schema": "kvstack.bench.live_compare/v1",
+        "started_utc": stamp, "host": f"{os.cpu_count()} CPUs", "wall_s": time.monotonic() - t0,
+        "model": cfg.app.engine.served_model_name, "policies": policies, "subject": args.subject,
+        "serve_set": serve_set, "workload": workload, "sizing": sizing, "work_dir": str(work),
+        "interrupted": interrupted,
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.live_compare", *sys.argv[1:]]),
+    }
+    agg = aggregate(entries, args.subject)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    plot_names = write_plots(agg, out) if agg["ttft_samples"] else []
+    slim = [{k: v for k, v in e.items() if k != "result"} for e in entries]
+    payload = {"meta": meta, "aggregate": {k: v for k, v in agg.items() if k != "ttft_samples"},
+               "ttft_samples_s": agg["ttft_samples"], "runs": slim}
+    (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+    (out / "report.md").write_text(render_report(payload, plot_names))
+    print(f"[live-compare] wrote {out / 'report.md'} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    ok = all(e.get("result") for e in entries) and len(entries) == len(policies) and not interrupted
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.live_compare", description=__doc__.split("\n\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
