@@ -1,6 +1,6 @@
 """Live policy comparison: one fresh ``kvstack serve`` per policy, the same ``kvstack bench agent`` run against each.
 
-    flock /tmp/kvstack-heavy.lock timeout -k 60 2400 .venv/bin/python -m bench.live_compare \\
+    flock /tmp/kvstack-heavy.lock timeout -k 300 2400 .venv/bin/python -m bench.live_compare \\
         --out bench/reports/live_agent_compare
     .venv/bin/python -m bench.live_compare --dry-run     # validate the config, size the prompts; starts nothing
 
@@ -84,8 +84,9 @@ PLOT_LIMIT_BYTES = 200 * 1024
 BOOTSTRAP_ITERS = 2000
 
 
-class Interrupted(Exception):
-    """SIGTERM / SIGINT arrived: stop the running server and write what was measured."""
+class Interrupted(BaseException):
+    """SIGTERM / SIGINT arrived: stop the running server and write what was measured (not an ``Exception``, so a
+    per-policy failure handler does not swallow it)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +135,23 @@ def _session_pids(sid: int) -> list[int]:
     return out
 
 
+_RAY_MARKERS = ("raylet", "gcs_server", "ray::", "ray/_private", "vllm", "/tmp/kvs-")
+
+
+def _new_ray_like(before: set[int]) -> list[str]:
+    """Processes started since ``before`` that look like Ray / vLLM (reported, never killed: they may be others')."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.info["pid"] in before:
+            continue
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if any(m in cmd for m in _RAY_MARKERS):
+            out.append(f"{proc.info['pid']} {cmd[:160]}")
+    return out
+
+
 @dataclass
 class ServerRun:
     """One ``kvstack serve`` subprocess and what happened to it."""
@@ -147,6 +165,7 @@ class ServerRun:
     exit_code: int | None = None
     killed: bool = False
     leftover_pids: list[int] = field(default_factory=list)
+    still_alive_pids: list[int] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -198,11 +217,16 @@ class ServerRun:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        gone_by = time.monotonic() + 10.0
+        while left and _session_pids(proc.pid) and time.monotonic() < gone_by:
+            time.sleep(0.5)
+        self.still_alive_pids = _session_pids(proc.pid) if left else []
         self.stop_s = time.monotonic() - t0
 
     def summary(self) -> dict[str, Any]:
         return {"port": self.port, "ready_s": self.ready_s, "stop_s": self.stop_s, "exit_code": self.exit_code,
-                "killed_after_timeout": self.killed, "leftover_pids": self.leftover_pids, "log": str(self.log)}
+                "killed_after_timeout": self.killed, "leftover_pids": self.leftover_pids,
+                "still_alive_after_kill": self.still_alive_pids, "log": str(self.log)}
 
 
 def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
@@ -240,6 +264,9 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
     pdir.mkdir(parents=True, exist_ok=True)
     server = ServerRun(policy, _free_port(), pdir / "serve.log")
     entry: dict[str, Any] = {"policy": policy, "load_avg_before": list(os.getloadavg())}
+    import psutil
+
+    pids_before = set(psutil.pids())
     t0 = time.monotonic()
     try:
         print(f"[live-compare] {policy}: starting kvstack serve on :{server.port}", file=sys.stderr, flush=True)
@@ -261,12 +288,13 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         entry["result"] = json.loads(result_file.read_text())
         print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
               f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one policy's failure is recorded; the next policy still runs
         entry["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
         print(f"[live-compare] {policy}: FAILED {entry['error'][:500]}", file=sys.stderr, flush=True)
     finally:
         server.stop(args.stop_timeout_s)
         entry["server"] = server.summary()
+        entry["new_ray_like_processes_after_stop"] = _new_ray_like(pids_before)
         entry["load_avg_after"] = list(os.getloadavg())
         entry["wall_s"] = time.monotonic() - t0
         if server.leftover_pids:
@@ -488,6 +516,8 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     def interrupt(*_: object) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):  # a second signal must not abort the server's shutdown
+            signal.signal(s, signal.SIG_IGN)
         raise Interrupted()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,7 +35,8 @@ def _load(replica: RunningReplica) -> float:
 class DecisionRequestRouter(RequestRouter):
     """No ``FIFOMixin``: with it, Serve hands the replica chosen for one request to the *oldest* pending request,
     so under concurrency a decision would land on another request. The base class matches the chosen replica to
-    the exact request it was chosen for."""
+    the exact request it was chosen for, by Serve's internal request id — which handle calls made inside one
+    incoming request share, so a caller issues such calls one at a time (``OpenAIIngress.reset_prefix_cache``)."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

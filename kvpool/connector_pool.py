@@ -45,10 +45,10 @@ class PoolShards:
         if now - self._discovered_at < 1.0:
             return
         self._discovered_at = now
-        self.ensure_ray()
         from kvpool.shard_registry import list_shards, shard_actor_name
 
         try:
+            self.ensure_ray()
             found = list_shards(self._cfg.ray_namespace)
         except Exception as exc:  # the GCS is busy or gone: keep what we have
             log.warning("kvpool connector: shard discovery failed: %s", exc)
@@ -56,15 +56,22 @@ class PoolShards:
         self._refs = {s.shard_id: ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in found}
 
     def ensure_ray(self) -> None:
+        """Connect this process to the Ray cluster (``ShardUnavailableError`` when there is none to join)."""
         import ray
 
-        if not ray.is_initialized():
+        from kvpool.shard import ShardUnavailableError
+
+        if ray.is_initialized():
+            return
+        try:
             ray.init(
                 address=self._cfg.ray_address or "auto",
                 namespace=self._cfg.ray_namespace,
                 logging_level="warning",
                 log_to_driver=False,
             )
+        except Exception as exc:  # no cluster to join: the pool is unreachable, reads are misses
+            raise ShardUnavailableError(f"cannot connect to the Ray cluster: {exc}") from exc
 
     def client(self, shard_id: str) -> Any:
         """``ShardClient`` of a shard (``ShardUnavailableError`` if its actor cannot be found)."""
@@ -102,7 +109,15 @@ class PoolShards:
             return self._local
         if self._local_resolved and not self._discover:
             return None
-        self.ensure_ray()
+        from kvpool.shard import ShardUnavailableError
+
+        try:
+            self.ensure_ray()
+        except ShardUnavailableError as exc:
+            if not self._local_resolved:
+                log.warning("kvpool connector: %s; saves are off", exc)
+            self._local_resolved = True
+            return None
         import ray
 
         node = ray.get_runtime_context().get_node_id()

@@ -365,6 +365,3 @@ class SchedulerSide:
     def held_leases(self) -> dict[str, list[tuple[str, int]]]:
         """Request id → [(shard, lease id)] currently held (tests, debugging)."""
         return {rid: [(x.shard_id, x.lease_id) for x in r.leases] for rid, r in self._reqs.items() if r.leases}
-
-    def handshake_type(self) -> type:
-        return KvPoolHandshake

@@ -40,7 +40,7 @@ from kvpool.connector_layout import (
     pool_plan,
     tensor_info,
 )
-from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, SaveSpec
+from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec
 from kvpool.connector_pool import PoolShards
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata

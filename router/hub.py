@@ -16,6 +16,7 @@ runner (own in-flight counts + randomised tie-breaks), not here. Messages are ve
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import msgspec
@@ -101,23 +102,31 @@ class ClusterViewHub:
     def __init__(self, max_log: int = 4096) -> None:
         self._state = HubState(max_log)
         self._decisions: dict[str, list[dict]] = {}
+        self._lock = threading.Lock()  # a threaded actor: publishes and polls run concurrently
 
     def publish_decisions(self, router_id: str, summaries: list[dict]) -> None:
-        self._decisions[router_id] = summaries
+        with self._lock:
+            self._decisions[router_id] = summaries
 
     def decisions(self, limit: int = 50) -> list[dict]:
-        merged = [d for rows in self._decisions.values() for d in rows]
+        with self._lock:
+            merged = [d for rows in self._decisions.values() for d in rows]
         merged.sort(key=lambda d: d.get("decided_at", 0.0))
         return merged[-limit:]
 
     def publish_replica(self, raw: bytes) -> None:
-        self._state.publish(msgspec.msgpack.decode(raw, type=ReplicaReport))
+        report = msgspec.msgpack.decode(raw, type=ReplicaReport)
+        with self._lock:
+            self._state.publish(report)
 
     def forget_replica(self, replica_id: str) -> None:
-        self._state.forget(replica_id)
+        with self._lock:
+            self._state.forget(replica_id)
 
     def poll(self, cursor: int) -> bytes:
-        return msgspec.msgpack.encode(self._state.poll(cursor))
+        with self._lock:
+            reply = self._state.poll(cursor)
+        return msgspec.msgpack.encode(reply)
 
     def ping(self) -> str:
         return "ok"

@@ -147,10 +147,17 @@ class OpenAIIngress:
         """Drop every replica's HBM prefix cache (benchmarks and tests: the next request must fetch or recompute)."""
         from router.wire import ControlRequest
 
-        calls = [self.replicas.control.remote(ControlRequest(target_replica=r["replica_id"], op="reset_prefix_cache"))
-                 for r in self.view.replica_rows()]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        return JSONResponse([r if isinstance(r, dict) else {"ok": False, "error": str(r)} for r in results])
+        # One call at a time: handle calls made inside one HTTP request share Serve's internal request id, and
+        # the request router matches a routing decision to its request by that id (see deployments.request_router).
+        results: list[dict[str, Any]] = []
+        for row in self.view.replica_rows():
+            call = self.replicas.control.remote(ControlRequest(target_replica=row["replica_id"],
+                                                               op="reset_prefix_cache"))
+            try:
+                results.append(await asyncio.wait_for(call, timeout=30.0))
+            except Exception as exc:  # noqa: BLE001 - reported per replica
+                results.append({"replica_id": row["replica_id"], "ok": False, "error": str(exc)})
+        return JSONResponse(results)
 
     @app.get("/kvstack/status")
     async def status(self, decisions: int = 10) -> Response:

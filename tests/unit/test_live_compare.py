@@ -1,0 +1,86 @@
+"""bench.live_compare: the pure parts (argv for ``bench agent``, ratios with bootstrap intervals, aggregation, report)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import live_compare as lc
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    lc.configure(parser)
+    ns = parser.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_agent_argv_is_accepted_by_the_real_bench_agent_parser() -> None:
+    from bench.agent_cli import workload_from_args
+    from cluster.cli import build_parser
+
+    args = _args(system_prompt_words=123, think_time_s=0.5)
+    argv = lc.agent_argv(args, "http://127.0.0.1:9/v1", "rr", Path("/tmp/x"))
+    assert argv[1:5] == ["-m", "cluster.cli", "bench", "agent"]
+    parsed = build_parser().parse_args(argv[3:])
+    w = workload_from_args(parsed)
+    assert (w.system_prompt_words, w.think_time_mean_s, parsed.tools_mode) == (123, 0.5, "user")
+    assert (parsed.max_requests, parsed.duration_s, parsed.save_requests) == (80, 210.0, True)
+
+
+def test_ratio_with_ci_known_values() -> None:
+    a = [1.0, 2.0, 3.0, 4.0, 5.0] * 20
+    b = [2.0, 4.0, 6.0, 8.0, 10.0] * 20
+    r = lc.ratio_with_ci(a, b, 50)
+    assert r["ratio"] == pytest.approx(0.5)
+    assert r["ci_low"] <= 0.5 <= r["ci_high"] and r["ci_high"] < 1.0
+    assert lc.ratio_with_ci([], b, 50)["ratio"] is None
+
+
+def test_ratio_ci_is_wide_for_few_samples() -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.exponential(1.0, 8).tolist(), rng.exponential(1.0, 8).tolist()
+    r = lc.ratio_with_ci(a, b, 99)
+    assert r["ci_high"] / r["ci_low"] > 2.0
+
+
+def _entry(policy: str, ttft: list[float], *, hbm: float, actions: dict[str, float]) -> dict[str, object]:
+    log = [{"ttft_s": t, "error": None, "cancelled": False, "prompt_tokens": 1000, "turn": i % 3}
+           for i, t in enumerate(ttft)]
+    log.append({"ttft_s": None, "error": "APITimeoutError: x", "cancelled": False, "prompt_tokens": None, "turn": 0})
+    from bench.stats import summarize
+
+    result = {
+        "requests": {"sent": len(log), "ok": len(ttft), "errors": 1, "cancelled": 0},
+        "ttft_s": summarize(ttft), "tpot_s": summarize([0.01]), "e2e_s": summarize(ttft),
+        "throughput": {"requests_per_s": 1.0}, "per_turn": [], "sessions": {"started": 3, "completed": 2},
+        "errors": {"by_type": {"APITimeoutError": 1}},
+        "router": {"available": True, "hit_tokens_by_tier": {"hbm": hbm}, "decisions_by_action": actions},
+        "request_log": log,
+    }
+    return {"policy": policy, "result": result, "load_avg_before": [3.0], "load_avg_after": [4.0],
+            "server": {"ready_s": 120.0}}
+
+
+def test_aggregate_and_report() -> None:
+    entries = [
+        _entry("round_robin", [2.0] * 30, hbm=10_000, actions={"recompute": 20, "holder": 10}),
+        {"policy": "prefix_affinity", "error": "TimeoutError: not serving"},
+        _entry("cost_based", [1.0] * 30, hbm=25_000, actions={"holder": 30}),
+    ]
+    agg = lc.aggregate(entries, "cost_based")
+    assert set(agg["ratios"]) == {"cost_based/round_robin"}
+    assert agg["ratios"]["cost_based/round_robin"]["p50"]["ratio"] == pytest.approx(0.5)
+    cb = agg["rows"][2]
+    assert cb["prompt_tokens_ok"] == 30_000 and cb["hit_fraction"] == pytest.approx(25_000 / 30_000)
+    assert agg["rows"][1] == {"policy": "prefix_affinity", "error": "TimeoutError: not serving"}
+    meta = {"started_utc": "T", "host": "2 CPUs", "wall_s": 1.0, "model": "m", "policies": ["a"], "command": "c",
+            "workload": {k: getattr(_args(), k) for k in lc.AGENT_FLAGS}, "sizing": None, "work_dir": "/w"}
+    text = lc.render_report({"aggregate": agg, "meta": meta}, ["ttft_cdf.png"])
+    assert "| cost_based/round_robin | 0.50× [0.50, 0.50] |" in text
+    assert "failed: TimeoutError" in text and "holder 30" in text and "![ttft_cdf.png](ttft_cdf.png)" in text
