@@ -7,12 +7,15 @@
 Per policy (default round_robin, prefix_affinity, cost_based, in that order): start ``kvstack serve --policy P``
 on a free port with the heavy tiny model (``--serve-set`` overrides; fresh SSD dir and state file under
 ``--work-dir``), wait for "is serving" (bounded), send a few unrelated warm-up requests and reset the replicas'
-prefix caches, run ``kvstack bench agent`` as a subprocess (bounded) with ``--save-requests``, SIGTERM the server
-and wait for it to exit (bounded; then SIGKILL of its own process group), and check that no process of its session
-is left. Then aggregate: TTFT p50/p90/p99 per policy, ``--subject`` / other ratios of p50 and p99 with bootstrap
-95% intervals (requests resampled), decisions by action and hit tokens by tier (the router's ``/metrics`` deltas
-the agent bench recorded). Writes ``report.md``, ``results.json`` and the plots (kept only under 200 KB) into
-``--out``; raw per-policy results and server logs stay under ``--work-dir``.
+prefix caches, run ``kvstack bench agent`` as a subprocess (bounded) with ``--save-requests``, save the run's
+``/kvstack/decisions`` records, SIGTERM the server and wait for it to exit (bounded; then SIGKILL of its own
+process group), check that no process of its session is left, and remove its SSD dir (~1 GiB per shard). Then
+aggregate: TTFT p50/p90/p99 per policy (finished requests, and also with the requests cancelled at the deadline
+after their first token), ``--subject`` / other ratios of p50 and p99 with bootstrap 95% intervals (requests
+resampled), decisions by action and hit tokens by tier (the router's ``/metrics`` deltas the agent bench
+recorded), requests per replica from the decision audit. Writes ``report.md``, ``results.json`` and the plots
+(kept only under 200 KB) into ``--out``; raw per-policy results and server logs stay under ``--work-dir``;
+``--from-work-dir`` re-renders a report from them.
 
 Called by hand (the issue-7 live check); ``configure``/``run`` follow the ``kvstack`` command convention so the
 lead can wire it as a CLI row. Every wait has a deadline; SIGTERM/SIGINT of this process stops the running server.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,15 +103,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, raw per-policy results, SSD dirs (default .kvstack/live_compare/<time>)")
     parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
-                        help=f"kvstack serve --set overrides (default: the heavy tiny model: {list(DEFAULT_SERVE_SET)})")
+                        help=f"kvstack serve --set overrides (default, the heavy tiny model: {list(DEFAULT_SERVE_SET)})"
+                        )
     parser.add_argument("--ready-timeout-s", type=float, default=720.0, help="wait for 'is serving' at most this")
     parser.add_argument("--stop-timeout-s", type=float, default=180.0, help="wait for serve to exit at most this")
     parser.add_argument("--warmup-requests", type=int, default=4, help="unrelated requests before each run")
     parser.add_argument("--dry-run", action="store_true", help="validate and size the workload; start nothing")
+    parser.add_argument("--from-work-dir", type=Path, default=None,
+                        help="rebuild report.md/results.json from a previous run's work dir; start nothing")
     add_workload_args(parser)
     g = parser.add_argument_group("agent run")
     g.add_argument("--tools-mode", choices=["tools", "user"], default="user",
-                   help="user (default): tool definitions in the system prompt (the tiny chat template ignores `tools`)")
+                   help="user (default): tool definitions in the system prompt (the tiny chat template ignores "
+                        "`tools`)")
     g.add_argument("--max-requests", type=int, default=80)
     g.add_argument("--duration-s", type=float, default=210.0)
     g.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -187,7 +195,8 @@ class ServerRun:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvstack serve ({self.policy}) exited {self.proc.returncode}:\n{text[-3000:]}")
             if time.monotonic() - t0 > deadline_s:
-                raise TimeoutError(f"kvstack serve ({self.policy}) not serving within {deadline_s:.0f} s:\n{text[-3000:]}")
+                raise TimeoutError(
+                    f"kvstack serve ({self.policy}) not serving within {deadline_s:.0f} s:\n{text[-3000:]}")
             time.sleep(1.0)
 
     def stop(self, deadline_s: float) -> None:
@@ -250,6 +259,39 @@ def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
     return {"requests": n, "seconds": times, "prefix_cache_reset_ok": ok}
 
 
+def fetch_decisions(endpoint: str, n: int, path: Path) -> dict[str, Any]:
+    """The router's newest ``n`` decision records (the run's, when ``n`` is the run's decision count), saved to
+    ``path``, summarised: requests per replica, reused-token fraction (HBM + fetched over prompt tokens) and the
+    median TTFT prediction error per action. Never fatal: a failure is recorded instead."""
+    import httpx
+
+    try:
+        resp = httpx.get(endpoint[: -len("/v1")] + "/kvstack/decisions", params={"limit": max(n, 1)}, timeout=60)
+        resp.raise_for_status()
+        records = resp.json()
+        if not isinstance(records, list):
+            raise ValueError(f"/kvstack/decisions returned {type(records).__name__}, not a list")
+    except Exception as exc:  # noqa: BLE001 - a missing audit must not lose the run
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    records = sorted(records, key=lambda r: r.get("decided_at", 0.0))[-n:] if n > 0 else []
+    path.write_text(json.dumps(records, indent=1, sort_keys=True))
+    by_replica: dict[str, int] = {}
+    errors: dict[str, list[float]] = {}
+    prompt = reused = 0
+    for r in records:
+        by_replica[str(r.get("replica_id"))] = by_replica.get(str(r.get("replica_id")), 0) + 1
+        prompt += int(r.get("prompt_tokens") or 0)
+        reused += int(r.get("hbm_tokens") or 0) + int(r.get("fetched_tokens") or 0)
+        if r.get("prediction_error_s") is not None:
+            errors.setdefault(str(r.get("action")), []).append(float(r["prediction_error_s"]))
+    return {
+        "records": len(records),
+        "by_replica": by_replica,
+        "reused_token_fraction": (reused / prompt) if prompt else None,
+        "median_prediction_error_s": {a: float(np.median(v)) for a, v in errors.items()},
+    }
+
+
 def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -> list[str]:
     argv = [sys.executable, "-m", "cluster.cli", "bench", "agent", "--endpoint", endpoint, "--label", label,
             "--out", str(out), "--save-requests", "--no-progress"]
@@ -260,12 +302,12 @@ def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -
 
 def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str) -> dict[str, Any]:
     """Serve, warm up, bench, stop — for one policy. Returns its entry for results.json (``error`` on failure)."""
+    import psutil
+
     pdir = work / policy
     pdir.mkdir(parents=True, exist_ok=True)
     server = ServerRun(policy, _free_port(), pdir / "serve.log")
     entry: dict[str, Any] = {"policy": policy, "load_avg_before": list(os.getloadavg())}
-    import psutil
-
     pids_before = set(psutil.pids())
     t0 = time.monotonic()
     try:
@@ -286,6 +328,8 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         if not result_file.exists():
             raise RuntimeError(f"bench agent wrote no result (exit {proc.returncode}); see {pdir / 'agent.log'}")
         entry["result"] = json.loads(result_file.read_text())
+        n_decisions = int(sum((entry["result"].get("router") or {}).get("decisions_by_action", {}).values()))
+        entry["decisions"] = fetch_decisions(server.endpoint, n_decisions, pdir / "decisions.json")
         print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
               f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one policy's failure is recorded; the next policy still runs
@@ -295,6 +339,9 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         server.stop(args.stop_timeout_s)
         entry["server"] = server.summary()
         entry["new_ray_like_processes_after_stop"] = _new_ray_like(pids_before)
+        if server.proc is None or server.proc.poll() is not None:
+            # the pool shards' SSD tier files (preallocated, ~1 GiB per shard) outlive the server: not worth keeping
+            shutil.rmtree(pdir / "ssd", ignore_errors=True)
         entry["load_avg_after"] = list(os.getloadavg())
         entry["wall_s"] = time.monotonic() - t0
         if server.leftover_pids:
@@ -303,10 +350,27 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
 
 
 # ------------------------------------------------------------------------------------------- aggregation
-def ttfts(result: dict[str, Any]) -> list[float]:
-    """TTFTs of the successful requests of a ``bench agent`` result saved with ``--save-requests``."""
+def ttfts(result: dict[str, Any], *, with_cancelled: bool = False) -> list[float]:
+    """TTFTs of a ``bench agent`` result saved with ``--save-requests``: the successful requests (the bench's own
+    definition) or, ``with_cancelled``, also those cancelled at the run's deadline after their first token (an
+    overloaded run cancels its slowest requests, which biases the ok-only tail low)."""
     return [r["ttft_s"] for r in result.get("request_log", [])
-            if r.get("ttft_s") is not None and r.get("error") is None and not r.get("cancelled")]
+            if r.get("ttft_s") is not None and r.get("error") is None and (with_cancelled or not r.get("cancelled"))]
+
+
+def _ratios(samples: dict[str, list[float]], subject: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    if subject not in samples:
+        return out
+    for other, xs in samples.items():
+        if other != subject:
+            mine = samples[subject]
+            out[f"{subject}/{other}"] = {
+                "p50": ratio_with_ci(mine, xs, 50),
+                "p99": ratio_with_ci(mine, xs, 99),
+                "mean": (float(np.mean(mine)) / float(np.mean(xs))) if xs and mine else None,
+            }
+    return out
 
 
 def ratio_with_ci(a: list[float], b: list[float], q: float, *, iters: int = BOOTSTRAP_ITERS,
@@ -332,9 +396,11 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
     if r is None:
         return {"policy": entry["policy"], "error": entry.get("error", "no result")}
     router = r.get("router") or {}
-    prompt = sum(x.get("prompt_tokens") or 0 for x in r.get("request_log", [])
-                 if x.get("error") is None and not x.get("cancelled") and x.get("ttft_s") is not None)
+    ok_prompts = [x.get("prompt_tokens") or 0 for x in r.get("request_log", [])
+                  if x.get("error") is None and not x.get("cancelled") and x.get("ttft_s") is not None]
     hits = {k: float(v) for k, v in (router.get("hit_tokens_by_tier") or {}).items()}
+    decisions = {k: float(v) for k, v in (router.get("decisions_by_action") or {}).items()}
+    n_dec = sum(decisions.values())
     return {
         "policy": entry["policy"],
         "requests": r["requests"],
@@ -344,10 +410,13 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
         "e2e_s": r["e2e_s"],
         "throughput": r["throughput"],
         "per_turn": r.get("per_turn", []),
-        "decisions_by_action": {k: float(v) for k, v in (router.get("decisions_by_action") or {}).items()},
+        "decisions_by_action": decisions,
         "hit_tokens_by_tier": hits,
-        "prompt_tokens_ok": prompt,
-        "hit_fraction": (sum(hits.values()) / prompt) if prompt else None,
+        # Router counters cover every routed request (also those the bench cancelled, whose usage never came), so
+        # they are put per decision rather than over the finished requests' prompt tokens.
+        "hit_tokens_per_decision": (sum(hits.values()) / n_dec) if n_dec else None,
+        "prompt_tokens_per_ok_request": (sum(ok_prompts) / len(ok_prompts)) if ok_prompts else None,
+        "decision_audit": entry.get("decisions"),
         "router_metrics_available": bool(router.get("available")),
         "errors": r.get("errors"),
         "load_avg_before": entry.get("load_avg_before"),
@@ -358,18 +427,22 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
+    from bench.stats import summarize
+
     rows = [policy_row(e) for e in entries]
-    samples = {e["policy"]: ttfts(e["result"]) for e in entries if e.get("result")}
-    ratios: dict[str, dict[str, Any]] = {}
-    if subject in samples:
-        for other, xs in samples.items():
-            if other != subject:
-                ratios[f"{subject}/{other}"] = {
-                    "p50": ratio_with_ci(samples[subject], xs, 50),
-                    "p99": ratio_with_ci(samples[subject], xs, 99),
-                    "mean": (float(np.mean(samples[subject])) / float(np.mean(xs))) if xs and samples[subject] else None,
-                }
-    return {"rows": rows, "ratios": ratios, "ttft_samples": samples}
+    done = [e for e in entries if e.get("result")]
+    samples = {e["policy"]: ttfts(e["result"]) for e in done}
+    with_cancelled = {e["policy"]: ttfts(e["result"], with_cancelled=True) for e in done}
+    for row in rows:
+        if row["policy"] in with_cancelled:
+            log = next(e["result"] for e in done if e["policy"] == row["policy"]).get("request_log", [])
+            row["ttft_with_cancelled_s"] = summarize(with_cancelled[row["policy"]])
+            row["cancelled_before_first_token"] = sum(1 for r in log if r.get("cancelled") and r.get("ttft_s") is None)
+    timeline = {e["policy"]: [(r["sent_at_s"], r["ttft_s"]) for r in e["result"].get("request_log", [])
+                              if r.get("ttft_s") is not None and r.get("error") is None] for e in done}
+    return {"rows": rows, "ratios": _ratios(samples, subject),
+            "ratios_with_cancelled": _ratios(with_cancelled, subject), "ttft_samples": samples,
+            "ttft_timeline": timeline}
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -395,27 +468,53 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
              f"One fresh `kvstack serve` per policy, run in the order {', '.join(meta['policies'])}.", "",
              "Command:", "", "```", meta["command"], "```", "",
              "## TTFT and routing per policy", ""]
-    header = ["policy", "ok/sent", "err", "TTFT p50 s", "p90", "p99", "mean", "TPOT p50 s", "decisions by action",
-              "hit tokens by tier", "hit / prompt tok", "load avg (1 min) before→after"]
+    header = ["policy", "ok/sent", "err", "cancelled", "TTFT p50 s", "p90", "p99", "mean",
+              "p50 / p99 incl. cancelled", "TPOT p50 s", "decisions by action", "hit tokens by tier",
+              "hit tok / decision", "prompt tok / ok req", "load avg (1 min) before→after"]
     table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in agg["rows"]:
         if "error" in row:
-            table.append(f"| {row['policy']} | failed: {row['error'][:120].replace('|', '/')} |" + " |" * (len(header) - 2))
+            failed = row["error"][:120].replace("|", "/")
+            table.append(f"| {row['policy']} | failed: {failed} |" + " |" * (len(header) - 2))
             continue
         rq, t = row["requests"], row["ttft_s"]
         la, lb = row.get("load_avg_before") or [None], row.get("load_avg_after") or [None]
+        wc = row.get("ttft_with_cancelled_s") or {}
         table.append("| " + " | ".join([
-            row["policy"], f"{rq['ok']}/{rq['sent']}", str(rq["errors"]), _f(t["p50"]), _f(t["p90"]), _f(t["p99"]),
-            _f(t["mean"]), _f(row["tpot_s"]["p50"], ".4f"), _kv(row["decisions_by_action"]),
-            _kv(row["hit_tokens_by_tier"]), _f(row["hit_fraction"], ".2f"), f"{_f(la[0], '.1f')}→{_f(lb[0], '.1f')}",
+            row["policy"], f"{rq['ok']}/{rq['sent']}", str(rq["errors"]), str(rq.get("cancelled", 0)), _f(t["p50"]),
+            _f(t["p90"]), _f(t["p99"]), _f(t["mean"]),
+            f"{_f(wc.get('p50'))} / {_f(wc.get('p99'))}",
+            _f(row["tpot_s"]["p50"], ".4f"), _kv(row["decisions_by_action"]),
+            _kv(row["hit_tokens_by_tier"]), _f(row["hit_tokens_per_decision"], ".0f"),
+            _f(row["prompt_tokens_per_ok_request"], ".0f"), f"{_f(la[0], '.1f')}→{_f(lb[0], '.1f')}",
         ]) + " |")
     lines += table + [""]
+    audits = [(row["policy"], row["decision_audit"]) for row in agg["rows"] if row.get("decision_audit")]
+    if audits:
+        lines += ["Decision audit (`/kvstack/decisions`, the run's records): requests per replica, reused-token "
+                  "fraction (HBM + fetched / prompt), median actual − predicted TTFT per action.", ""]
+        for name, a in audits:
+            if "error" in a:
+                lines.append(f"- {name}: audit unavailable ({a['error'][:200]})")
+                continue
+            errs = ", ".join(f"{k} {v:+.2f} s" for k, v in sorted(a["median_prediction_error_s"].items())) or "–"
+            lines.append(f"- {name}: {a['records']} records; per replica {_kv(a['by_replica'])}; reused "
+                         f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}")
+        lines.append("")
     if agg["ratios"]:
         lines += ["## Ratios (bootstrap 95% interval, requests resampled)", "",
-                  "| ratio | TTFT p50 | TTFT p99 | TTFT mean |", "|---|---|---|---|"]
-        for name, r in agg["ratios"].items():
-            lines.append(f"| {name} | {_ratio_cell(r['p50'])} | {_ratio_cell(r['p99'])} | {_f(r['mean'], '.2f')}"
-                         f"{'×' if r['mean'] is not None else ''} |")
+                  "| ratio | requests | TTFT p50 | TTFT p99 | TTFT mean |", "|---|---|---|---|---|"]
+        for kind, key in (("ok", "ratios"), ("ok + cancelled after 1st token", "ratios_with_cancelled")):
+            for name, r in agg.get(key, {}).items():
+                lines.append(f"| {name} | {kind} | {_ratio_cell(r['p50'])} | {_ratio_cell(r['p99'])} | "
+                             f"{_f(r['mean'], '.2f')}{'×' if r['mean'] is not None else ''} |")
+        lines += ["", "Ratios < 1: the subject is faster. \"ok\" is the bench's definition (finished requests); the "
+                  "second set adds requests cancelled at the run's deadline after their first token arrived "
+                  "(their TTFT is real; leaving them out trims an overloaded run's tail)."]
+        censored = [f"{row['policy']} {row['cancelled_before_first_token']}" for row in agg["rows"]
+                    if "cancelled_before_first_token" in row]
+        if censored:
+            lines.append("Requests cancelled before any token (no TTFT, in neither set): " + ", ".join(censored) + ".")
         lines.append("")
     w = meta["workload"]
     lines += ["## Workload", "",
@@ -432,6 +531,30 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _timeline_plot(series: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+    """TTFT against send time, one marker series per policy: shows queues building up during a run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in series.items():
+        if pts:
+            xs, ys = zip(*sorted(pts), strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=0.8, label=label)
+    ax.set_xlabel("request sent at (s from run start)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT over the run")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(agg: dict[str, Any], out: Path) -> list[str]:
     from bench import plots
 
@@ -442,6 +565,8 @@ def write_plots(agg: dict[str, Any], out: Path) -> list[str]:
     hits = {r["policy"]: r["hit_tokens_by_tier"] for r in agg["rows"] if r.get("hit_tokens_by_tier")}
     if hits:
         written.append(plots.hit_tokens_by_tier(hits, out / "hit_tokens_by_tier.png"))
+    if agg.get("ttft_timeline"):
+        written.append(_timeline_plot(agg["ttft_timeline"], out / "ttft_over_time.png"))
     kept = []
     for p in written:
         if p.stat().st_size < PLOT_LIMIT_BYTES:
@@ -488,6 +613,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.commands.serve import DEFAULT_CONFIG
     from cluster.serve_config import load_serve_config
 
+    if args.from_work_dir is not None:
+        return report_from_work_dir(args.from_work_dir.resolve(), args.out)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     serve_set = list(args.serve_set) if args.serve_set else list(DEFAULT_SERVE_SET)
     import yaml
@@ -523,6 +650,15 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, interrupt)
     t0 = time.monotonic()
+    meta: dict[str, Any] = {
+        "schema": "kvstack.bench.live_compare/v1",
+        "started_utc": stamp, "host": f"{os.cpu_count()} CPUs", "wall_s": None,
+        "model": cfg.app.engine.served_model_name, "policies": policies, "subject": args.subject,
+        "serve_set": serve_set, "workload": {k: getattr(args, k) for k in AGENT_FLAGS}, "sizing": sizing,
+        "work_dir": str(work), "interrupted": False,
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.live_compare", *sys.argv[1:]]),
+    }
+    (work / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     entries: list[dict[str, Any]] = []
     interrupted = False
     try:
@@ -532,27 +668,45 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted:
         interrupted = True
         print("[live-compare] interrupted; writing what was measured", file=sys.stderr, flush=True)
-    workload = {k: getattr(args, k) for k in AGENT_FLAGS}
-    meta = {
-        "schema": "kvstack.bench.live_compare/v1",
-        "started_utc": stamp, "host": f"{os.cpu_count()} CPUs", "wall_s": time.monotonic() - t0,
-        "model": cfg.app.engine.served_model_name, "policies": policies, "subject": args.subject,
-        "serve_set": serve_set, "workload": workload, "sizing": sizing, "work_dir": str(work),
-        "interrupted": interrupted,
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.live_compare", *sys.argv[1:]]),
-    }
-    agg = aggregate(entries, args.subject)
-    out: Path = args.out
+    meta.update(wall_s=time.monotonic() - t0, interrupted=interrupted)
+    (work / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    write_report(entries, meta, args.out)
+    print(f"[live-compare] wrote {args.out / 'report.md'} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    ok = all(e.get("result") for e in entries) and len(entries) == len(policies) and not interrupted
+    return 0 if ok else 1
+
+
+def write_report(entries: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+    """Aggregate ``entries`` (one per policy, as ``run_policy`` returns them) into ``out``: results.json, report.md,
+    plots."""
+    agg = aggregate(entries, meta["subject"])
     out.mkdir(parents=True, exist_ok=True)
     plot_names = write_plots(agg, out) if agg["ttft_samples"] else []
     slim = [{k: v for k, v in e.items() if k != "result"} for e in entries]
-    payload = {"meta": meta, "aggregate": {k: v for k, v in agg.items() if k != "ttft_samples"},
+    payload = {"meta": meta, "aggregate": {k: v for k, v in agg.items() if k not in ("ttft_samples", "ttft_timeline")},
                "ttft_samples_s": agg["ttft_samples"], "runs": slim}
     (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
     (out / "report.md").write_text(render_report(payload, plot_names))
-    print(f"[live-compare] wrote {out / 'report.md'} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    ok = all(e.get("result") for e in entries) and len(entries) == len(policies) and not interrupted
-    return 0 if ok else 1
+
+
+def report_from_work_dir(work: Path, out: Path) -> int:
+    """Rebuild the report of a finished (or interrupted) run from its work dir, without starting anything."""
+    entries_file = work / "entries.json"
+    if not entries_file.exists():
+        print(f"live_compare: {entries_file} not found", file=sys.stderr)
+        return 2
+    meta_file = work / "meta.json"
+    if meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+    elif (out / "results.json").exists():  # runs written before meta.json existed: their report's meta
+        meta = json.loads((out / "results.json").read_text())["meta"]
+    else:
+        print(f"live_compare: no {meta_file} and no {out / 'results.json'} to take the run's meta from",
+              file=sys.stderr)
+        return 2
+    write_report(json.loads(entries_file.read_text()), meta, out)
+    print(f"[live-compare] rewrote {out / 'report.md'} from {work}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("agent", "bench.agent_cli", "agent-session load generator against an OpenAI endpoint"),
     ("trace", "bench.trace_cli", "replay a Mooncake trace against an OpenAI endpoint"),
     ("compare", "bench.compare_cli", "policies side by side (simulator and live)"),
+    ("live-compare", "bench.live_compare", "one kvstack serve per policy + bench agent, markdown report"),
 ]
 
 

@@ -33,6 +33,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``kvpool.shard_registry`` (one per node, refreshed when a shard is missing). ``local_shard`` (or, when empty,
       the shard whose ``node_id`` is this process's Ray node) receives saves. ``lookup_remote``: also look up the other shards
       (one parallel round trip); off = local shard only (a router plan can still name another shard).
+    - ``ray_address`` / ``node_id``: for an engine core that is not itself a Ray worker (vLLM's multiprocess mode
+      runs it in a subprocess of the replica): the cluster to join ("" = this process's Ray or "auto") and the
+      node it runs on ("" = the Ray runtime context's node), which picks the local shard.
     - ``backend``: the transfer implementation (``kvpool.transfer``), must match the shards'.
     - Deadlines in seconds: every wait is bounded. ``lease_ttl_s`` bounds how long a crashed engine can pin blocks.
     - ``load`` / ``save``: switch either direction off (e.g. a read-only replica).
@@ -44,6 +47,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_remote: bool = True
     ray_namespace: str = "kvstack"  # where the named shard actors live (kvpool.shard_registry.SHARD_NAMESPACE)
     ray_address: str = ""
+    node_id: str = ""
     backend: Literal["nixl", "tcp"] = "nixl"
     endpoint_options: dict[str, str | int | float | bool] = {}
     lookup_deadline_s: float = 2.0

@@ -120,7 +120,7 @@ class PoolShards:
             return None
         import ray
 
-        node = ray.get_runtime_context().get_node_id()
+        node = self._cfg.node_id or ray.get_runtime_context().get_node_id()
         self._maybe_discover()
         self._local = next((s.shard_id for s in self._refs.values() if s.node_id == node), None)
         if self._local is None and not self._local_resolved:

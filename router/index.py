@@ -57,8 +57,16 @@ SourceKind = Literal["replica", "shard"]
 HolderTier = Literal["hbm", "dram", "ssd"]
 SUPPORTED_SHARD_EVENTS_VERSION = 1
 _MAX_STALE_BUFFER = 1 << 16  # buffered ops while waiting for a snapshot; beyond this, resync again
-_get_hb = attrgetter("hbm_prefix_blocks")
-_get_id = attrgetter("replica_id")
+_RS_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaState))
+_RS_HB = _RS_FIELDS.index("hbm_prefix_blocks")
+_rs_values = attrgetter(*_RS_FIELDS)
+
+
+def _with_hbm(r: ReplicaState, blocks: int) -> ReplicaState:
+    """``dataclasses.replace(r, hbm_prefix_blocks=blocks)``, several times faster (every field is an init field)."""
+    values = list(_rs_values(r))
+    values[_RS_HB] = blocks
+    return ReplicaState(*values)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,7 +85,7 @@ class _ChainMismatch(Exception):
 
 
 class _Holder:
-    __slots__ = ("bit", "keys", "kind", "node_id", "source_id", "tier")
+    __slots__ = ("bit", "hit", "keys", "kind", "node_id", "source_id", "tier")
 
     def __init__(self, bit: int, kind: SourceKind, source_id: str, node_id: str, tier: HolderTier) -> None:
         self.bit = bit
@@ -86,6 +94,7 @@ class _Holder:
         self.node_id = node_id
         self.tier = tier
         self.keys: set[bytes] = set()
+        self.hit: PoolHit | None = None  # the last PoolHit a query returned for this holder (immutable: reused)
 
 
 # An op: (seq, kind, tier, keys). kind: "stored" | "removed" | "moved" (to tier) | "cleared".
@@ -252,7 +261,10 @@ class PrefixIndex:
                 if holder.kind == "replica":
                     hbm[holder.source_id] = length
                 else:
-                    pool.append(PoolHit(holder.source_id, holder.node_id, holder.tier, length))  # type: ignore[arg-type]
+                    hit = holder.hit
+                    if hit is None or hit.prefix_blocks != length or hit.node_id != holder.node_id:
+                        hit = holder.hit = PoolHit(holder.source_id, holder.node_id, holder.tier, length)  # type: ignore[arg-type]
+                    pool.append(hit)
         return PrefixMatch(hbm, tuple(pool))
 
     def _recall(self, keys: Sequence[bytes], n: int, ends: list[tuple[int, int]]) -> tuple[int, int, bytes | None]:
@@ -461,19 +473,29 @@ class PrefixIndex:
         match = self.query(request.block_keys)
         hbm = match.hbm
         out: Sequence[ReplicaState] = replicas
-        stale_hbm = any(map(_get_hb, replicas))  # C loops: this runs on every request
+        held = [r.hbm_prefix_blocks for r in replicas]
+        stale_hbm = any(held)
         if hbm or stale_hbm:
-            ids = list(map(_get_id, replicas))
             fixed = list(replicas)
-            pos = dict(zip(ids, range(len(ids)), strict=True))
             if stale_hbm:  # values the caller left in: this index is the truth
-                for i in compress(range(len(fixed)), map(_get_hb, replicas)):
-                    if ids[i] not in hbm:
-                        fixed[i] = dataclasses.replace(fixed[i], hbm_prefix_blocks=0)
-            for rid, blocks in hbm.items():
-                i = pos.get(rid)
-                if i is not None and fixed[i].hbm_prefix_blocks != blocks:
-                    fixed[i] = dataclasses.replace(fixed[i], hbm_prefix_blocks=blocks)
+                for i in compress(range(len(fixed)), held):
+                    if fixed[i].replica_id not in hbm:
+                        fixed[i] = _with_hbm(fixed[i], 0)
+            if hbm:
+                ids = [r.replica_id for r in replicas]
+                if len(hbm) <= 8:  # the last replica with that id, as a dict of positions would give
+                    last = len(ids) - 1
+                    rev = ids[::-1]
+                    places = []
+                    for rid, blocks in hbm.items():
+                        if rid in ids:
+                            places.append((last - rev.index(rid), blocks))
+                else:
+                    pos = dict(zip(ids, range(len(ids)), strict=True))
+                    places = [(pos[rid], blocks) for rid, blocks in hbm.items() if rid in pos]
+                for i, blocks in places:
+                    if fixed[i].hbm_prefix_blocks != blocks:
+                        fixed[i] = _with_hbm(fixed[i], blocks)
             out = fixed
         pool = match.pool
         if shard_queue_delay_s and pool:

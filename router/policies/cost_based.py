@@ -223,29 +223,28 @@ class CostBased(RoutingPolicy):
         # map(attrgetter)), then one class per (hardware, node) for replicas without an HBM prefix: every such
         # replica costs its queue plus its class's precomputed best.
         qs = [r.queue_delay_s for r in rs]
-        nodes = [r.node_id for r in rs]
         hws = [r.hw for r in rs]
         hw0 = hws[0]
         groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split)}
-        cls_map: dict[object, _Class]
-        if hws.count(hw0) == n:
+        if hws.count(hw0) == n:  # one hardware: the fast class, except replicas on a node with a pool hit
             g0 = groups[id(hw0)]
             fast = g0.fast
-            local = set(g0.local).intersection(nodes)
-            if local:
-                cls_map = dict.fromkeys(nodes, fast)
-                for nd in local:
-                    cls_map[nd] = g0.node_class(nd)
-                cls_list = [cls_map[nd] for nd in nodes]
-                costs = [q + c.cost for q, c in zip(qs, cls_list)]
-            else:  # no pool hit on any replica's node: one class
-                cls_map = {None: fast}
-                cls_list = [fast] * n
-                fc = fast.cost
-                costs = [q + fc for q in qs]
+            fc = fast.cost
+            costs = [q + fc for q in qs]
+            cls_list = [fast] * n
+            local = g0.local
+            on_local = [i for i in range(n) if rs[i].node_id in local] if local else ()
+            used = {fast} if len(on_local) < n else set()
+            for i in on_local:
+                c = g0.node_class(rs[i].node_id)
+                cls_list[i] = c
+                costs[i] = qs[i] + c.cost
+                used.add(c)
+            n_classes = len(used)
         else:
+            nodes = [r.node_id for r in rs]
             keys = list(zip(map(id, hws), nodes, strict=True))
-            cls_map = {}
+            cls_map: dict[object, _Class] = {}
             for k, hw in zip(keys, hws, strict=True):
                 if k not in cls_map:
                     g = groups.get(k[0])
@@ -254,6 +253,7 @@ class CostBased(RoutingPolicy):
                     cls_map[k] = g.node_class(k[1])
             cls_list = [cls_map[k] for k in keys]
             costs = [q + c.cost for q, c in zip(qs, cls_list)]
+            n_classes = len(set(cls_map.values()))
 
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
@@ -268,7 +268,7 @@ class CostBased(RoutingPolicy):
                     continue
                 q = qs[i]
                 best, bd = _INF, _RECOMPUTE_DESC
-                for t, d in groups[id(hws[i])].priced(hb if hb < max_blocks else max_blocks, nodes[i]):
+                for t, d in groups[id(hws[i])].priced(hb if hb < max_blocks else max_blocks, rs[i].node_id):
                     t += q
                     a = d[0]
                     if t < act_cost[a]:
@@ -279,16 +279,22 @@ class CostBased(RoutingPolicy):
                 special[i] = bd
         # The best of every action among the class-priced replicas: each class's least-queued member (C loops:
         # walking the replicas by descending queue, the last write per class is its argmin).
-        if len(set(cls_map.values())) == 1 and not special:
-            firsts = [(min(range(n), key=qs.__getitem__), cls_list[0])]
+        if n_classes == 1 and not special:
+            firsts = [(qs.index(min(qs)), cls_list[0])]
         else:
             desc_q = sorted(range(n), key=qs.__getitem__, reverse=True)
             by_cls = dict(zip(map(cls_list.__getitem__, desc_q), desc_q, strict=True))
             firsts = [(i, c) for c, i in by_cls.items() if i not in special]
-            if special:  # a class whose least-queued member holds an HBM prefix: its best plain member
+            if special:  # a class whose least-queued member holds an HBM prefix: its least-queued plain member
                 for c in {c for c, i in by_cls.items() if i in special}:
-                    i = min((j for j in range(n) if cls_list[j] is c and j not in special),
-                            key=qs.__getitem__, default=-1)
+                    # Ascending queue (ties by descending index): the first plain member has the least queue; the
+                    # lowest index among those with that queue is the one min() over range(n) would pick.
+                    i, qi = -1, _INF
+                    for j in reversed(desc_q):
+                        if i >= 0 and qs[j] != qi:
+                            break
+                        if cls_list[j] is c and j not in special:
+                            i, qi = j, qs[j]
                     if i >= 0:
                         firsts.append((i, c))
         for i, c in firsts:
@@ -304,7 +310,7 @@ class CostBased(RoutingPolicy):
         best = min(costs)
         first = costs.index(best)
         limit = best + max(self.window_abs_s, self.window_rel * best)
-        top = [i for i, c in enumerate(costs) if c <= limit]  # then a stable sort of the few in the window
+        top = [i for i in range(n) if costs[i] <= limit]  # then a stable sort of the few in the window
         if len(top) > 1:
             top.sort(key=costs.__getitem__)
             del top[self.max_candidates :]

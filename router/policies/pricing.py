@@ -125,23 +125,29 @@ class HwCoeffs:
     ) -> tuple[int, float] | None:
         """Best block boundary ``k`` (in blocks) to compute [hbm, k·bs) while fetching [k·bs, prefix) and the
         overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all."""
+        lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
         lat = self.lat[cls_index] + extra_latency_s
         spb = self.spb[cls_index]
         h0, c = hbm_tokens, prefix_tokens
-        b = self.lin + self.kvb * spb
-        cc = self.lin * h0 + self.quad * h0 * h0 + lat + (c * self.kvb + self.state) * spb
-        disc = b * b + 4.0 * self.quad * cc
-        h = 2.0 * cc / (b + math.sqrt(disc)) if b > 0 else c
+        b = lin + kvb * spb
+        cc = lin * h0 + quad * h0 * h0 + lat + (c * kvb + state) * spb
+        h = 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
         k0 = int(h0) // block_size
         k_end = int(c) // block_size
-        kf = int(h // block_size)
+        k = int(h // block_size)
+        hh = h0 * h0
         best: tuple[int, float] | None = None
-        for k in (kf, kf + 1):
-            if k <= k0 or k >= k_end:
-                continue  # k0: that is FETCH; k_end: no fetch, that is HOLDER/RECOMPUTE
+        # The two block boundaries around h (k0: that is FETCH; k_end: no fetch, that is HOLDER/RECOMPUTE).
+        if k0 < k < k_end:
             t = k * block_size
-            head = self.lin * (t - h0) + self.quad * (t * t - h0 * h0)
-            tail = lat + ((c - t) * self.kvb + self.state) * spb
+            head = lin * (t - h0) + quad * (t * t - hh)
+            tail = lat + ((c - t) * kvb + state) * spb
+            best = (k, head if head > tail else tail)
+        k += 1
+        if k0 < k < k_end:
+            t = k * block_size
+            head = lin * (t - h0) + quad * (t * t - hh)
+            tail = lat + ((c - t) * kvb + state) * spb
             overlap = head if head > tail else tail
             if best is None or overlap < best[1]:
                 best = (k, overlap)

@@ -1,4 +1,4 @@
-"""bench.live_compare: the pure parts (argv for ``bench agent``, ratios with bootstrap intervals, aggregation, report)."""
+"""bench.live_compare: the pure parts (``bench agent`` argv, ratios with bootstrap intervals, aggregation, report)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,12 @@ def test_ratio_ci_is_wide_for_few_samples() -> None:
 
 
 def _entry(policy: str, ttft: list[float], *, hbm: float, actions: dict[str, float]) -> dict[str, object]:
-    log = [{"ttft_s": t, "error": None, "cancelled": False, "prompt_tokens": 1000, "turn": i % 3}
+    log = [{"ttft_s": t, "error": None, "cancelled": False, "prompt_tokens": 1000, "turn": i % 3, "sent_at_s": i}
            for i, t in enumerate(ttft)]
-    log.append({"ttft_s": None, "error": "APITimeoutError: x", "cancelled": False, "prompt_tokens": None, "turn": 0})
+    log.append({"ttft_s": None, "error": "APITimeoutError: x", "cancelled": False, "prompt_tokens": None, "turn": 0,
+                "sent_at_s": 50.0})
+    log.append({"ttft_s": 99.0, "error": None, "cancelled": True, "prompt_tokens": None, "turn": 1, "sent_at_s": 60.0})
+    log.append({"ttft_s": None, "error": None, "cancelled": True, "prompt_tokens": None, "turn": 2, "sent_at_s": 61.0})
     from bench.stats import summarize
 
     result = {
@@ -63,8 +66,10 @@ def _entry(policy: str, ttft: list[float], *, hbm: float, actions: dict[str, flo
         "router": {"available": True, "hit_tokens_by_tier": {"hbm": hbm}, "decisions_by_action": actions},
         "request_log": log,
     }
+    audit = {"records": 30, "by_replica": {"r0": 20, "r1": 10}, "reused_token_fraction": 0.8,
+             "median_prediction_error_s": {"holder": 0.25}}
     return {"policy": policy, "result": result, "load_avg_before": [3.0], "load_avg_after": [4.0],
-            "server": {"ready_s": 120.0}}
+            "server": {"ready_s": 120.0}, "decisions": audit}
 
 
 def test_aggregate_and_report() -> None:
@@ -77,10 +82,39 @@ def test_aggregate_and_report() -> None:
     assert set(agg["ratios"]) == {"cost_based/round_robin"}
     assert agg["ratios"]["cost_based/round_robin"]["p50"]["ratio"] == pytest.approx(0.5)
     cb = agg["rows"][2]
-    assert cb["prompt_tokens_ok"] == 30_000 and cb["hit_fraction"] == pytest.approx(25_000 / 30_000)
+    assert cb["prompt_tokens_per_ok_request"] == 1000 and cb["hit_tokens_per_decision"] == pytest.approx(25_000 / 30)
     assert agg["rows"][1] == {"policy": "prefix_affinity", "error": "TimeoutError: not serving"}
+    # the request cancelled after its first token counts only in the "with cancelled" view; the other one in neither
+    assert cb["ttft_s"]["max"] == 1.0 and cb["ttft_with_cancelled_s"]["max"] == 99.0
+    assert cb["ttft_with_cancelled_s"]["n"] == 31 and cb["cancelled_before_first_token"] == 1
+    assert agg["ratios_with_cancelled"]["cost_based/round_robin"]["p50"]["ratio"] == pytest.approx(0.5)
     meta = {"started_utc": "T", "host": "2 CPUs", "wall_s": 1.0, "model": "m", "policies": ["a"], "command": "c",
+            "subject": "cost_based",
             "workload": {k: getattr(_args(), k) for k in lc.AGENT_FLAGS}, "sizing": None, "work_dir": "/w"}
     text = lc.render_report({"aggregate": agg, "meta": meta}, ["ttft_cdf.png"])
-    assert "| cost_based/round_robin | 0.50× [0.50, 0.50] |" in text
+    assert "| cost_based/round_robin | ok | 0.50× [0.50, 0.50] |" in text
     assert "failed: TimeoutError" in text and "holder 30" in text and "![ttft_cdf.png](ttft_cdf.png)" in text
+    assert "- cost_based: 30 records; per replica r0 20, r1 10; reused 0.80; prediction error holder +0.25 s" in text
+
+
+def test_report_from_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    # matplotlib takes seconds on a loaded box; the plots are drawn by the real run, here only their names matter
+    monkeypatch.setattr(lc, "write_plots", lambda agg, out: ["ttft_cdf.png"] if agg["ttft_samples"] else [])
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    entries = [_entry("round_robin", [2.0, 3.0] * 10, hbm=1, actions={"holder": 1}),
+               _entry("cost_based", [1.0, 1.5] * 10, hbm=2, actions={"holder": 2})]
+    (work / "entries.json").write_text(json.dumps(entries))
+    meta = {"started_utc": "T", "host": "2 CPUs", "wall_s": 1.0, "model": "m",
+            "policies": ["round_robin", "cost_based"],
+            "command": "c", "subject": "cost_based", "workload": {k: getattr(_args(), k) for k in lc.AGENT_FLAGS},
+            "sizing": None, "work_dir": str(work)}
+    (work / "meta.json").write_text(json.dumps(meta))
+    assert lc.report_from_work_dir(work, out) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["aggregate"]["ratios"]["cost_based/round_robin"]["p50"]["ratio"] == pytest.approx(1.25 / 2.5)
+    assert "![ttft_cdf.png](ttft_cdf.png)" in (out / "report.md").read_text()
+    assert lc.report_from_work_dir(tmp_path / "missing", out) == 2
