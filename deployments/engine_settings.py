@@ -53,3 +53,21 @@ def kv_bytes_per_token_from_model(model_path: str) -> int:
     elif cfg.get("full_attention_interval"):
         layers = layers // int(cfg["full_attention_interval"])
     return 2 * heads * head_dim * layers * 2
+
+
+def pool_slot_bytes_from_model(model_path: str, block_size: int) -> int:
+    """One pool slot: a block of every full-attention layer, or a hybrid's linear-state snapshot (gated delta net:
+    conv tail + recurrent state over all linear layers, bf16 as the CPU build keeps them), whichever is larger.
+    The connector refuses a pool whose slots are smaller than what its registered layout needs."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    attention = kv_bytes_per_token_from_model(model_path) * block_size
+    linear = sum(1 for t in cfg.get("layer_types") or () if t == "linear_attention")
+    if not linear:
+        return attention
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    conv = (cfg.get("linear_conv_kernel_dim", 4) - 1) * (2 * nk * dk + nv * dv) * 2
+    return max(attention, linear * (conv + nv * dk * dv * 2))

@@ -15,15 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from deployments.app_config import AppConfig, PoolSettings
-from deployments.engine_settings import EngineSettings, kv_bytes_per_token_from_model
+from deployments.engine_settings import EngineSettings, pool_slot_bytes_from_model
 from kvpool.shard import ShardConfig, ShardHandle, start_shards
 from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
 from kvpool.store import StoreConfig
 
 
 def block_slot_bytes(engine: EngineSettings) -> int:
-    per_token = engine.kv_bytes_per_token or kv_bytes_per_token_from_model(engine.model_path)
-    return per_token * engine.block_size
+    if engine.kv_bytes_per_token is not None:
+        return engine.kv_bytes_per_token * engine.block_size
+    return pool_slot_bytes_from_model(engine.model_path, engine.block_size)
 
 
 def shard_config(engine: EngineSettings, pool: PoolSettings, node_id: str) -> ShardConfig:

@@ -18,6 +18,10 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
 - ``request_finished[_all_groups](request, ...)`` once per request (finished, aborted — also before it was ever
   scheduled — or errored): releases its lease. Blocks are never held back (saves are done within the step).
 A shard that does not answer is a miss (lookup) or a failed load (lease) — recomputed, never a failed request.
+A request vLLM asks about again after its load failed completely (no preemption in between) is offered nothing:
+it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
+otherwise made the request re-load forever).
+Lookups and leases are blocking Ray calls with deadlines (``lookup_deadline_s``, ``lease_deadline_s``).
 """
 
 from __future__ import annotations

@@ -25,14 +25,16 @@ __all__ = [
 ]
 
 
-def make_endpoint(backend: str, agent_name: str, **options: object) -> TransferEndpoint:
-    """Factory used by shards and clients; imports the backend lazily (nixl is optional at import time)."""
+def make_endpoint(backend: str, agent_name: str, *, options: object = None, metrics: object = None
+                  ) -> TransferEndpoint:
+    """Factory used by shards and clients; imports the backend lazily (nixl is optional at import time).
+    ``options`` is the backend's typed options struct (``NixlOptions`` / ``TcpOptions``; None: defaults)."""
     if backend == "nixl":
         from kvpool.transfer.nixl import NixlEndpoint
 
-        return NixlEndpoint(agent_name, **options)  # type: ignore[arg-type]
+        return NixlEndpoint(agent_name, options=options, metrics=metrics)  # type: ignore[arg-type]
     if backend == "tcp":
         from kvpool.transfer.tcp import TcpEndpoint
 
-        return TcpEndpoint(agent_name, **options)  # type: ignore[arg-type]
+        return TcpEndpoint(agent_name, options=options, metrics=metrics)  # type: ignore[arg-type]
     raise ValueError(f"unknown transfer backend {backend!r}; known: nixl, tcp")
