@@ -149,9 +149,10 @@ def test_build_app_from_the_local_app_section() -> None:
 
     from deployments.app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, build_app
 
+    ray_was_up = ray.is_initialized()  # a session-scoped test cluster may already be connected in a full run
     app = build_app(local_raw()["app"])  # the raw mapping, as Serve passes `args`
     assert isinstance(app, serve.Application)
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == ray_was_up, "build_app must not start or stop Ray"
     ingress = app._bound_deployment
     assert ingress.name == INGRESS_DEPLOYMENT
     replicas, settings = ingress.init_args
