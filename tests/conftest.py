@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.ray_cluster_fixture import ray_cluster  # noqa: F401 - the one session-wide Ray cluster fixture
+
 
 def pytest_configure(config: pytest.Config) -> None:
     for marker, doc in [

@@ -2,7 +2,7 @@
 
 - ``tiny_models`` (session): the dense and hybrid tiny models under ``<repo>/.kvstack/models`` (built once,
   reused while their generator digest matches).
-- ``ray_cluster`` (session): re-exported from ``tests/integration/conftest.py`` — a head with 0 CPUs and worker
+- ``ray_cluster`` (session): from ``tests/ray_cluster_fixture.py`` (registered in ``tests/conftest.py``) — a head with 0 CPUs and worker
   nodes a, b, c on 127.0.0.2-4, UCX on loopback.
 - ``pool`` (module): one named ``PoolShard`` per worker node (``kvpool.shard_registry`` names), DRAM + SSD, NIXL.
   The pytest process (an engine in it runs on the head node, which has no shard) saves to shard ``a``.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import RayCluster, ray_cluster  # noqa: F401 - fixture re-export
+from tests.ray_cluster_fixture import RayCluster
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".kvstack" / "models"
@@ -77,7 +77,7 @@ class Pool:
 
 
 @pytest.fixture(scope="module")
-def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:  # noqa: F811
+def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     from kvpool.shard import ShardConfig, start_shards, stop_shards
     from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
     from kvpool.store import StoreConfig

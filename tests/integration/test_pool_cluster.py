@@ -38,7 +38,7 @@ from kvpool.store import StoreConfig
 from kvpool.transfer import make_endpoint
 from kvpool.transfer.nixl import NixlOptions
 from kvpool.transfer.tcp import TcpOptions
-from tests.integration.conftest import RayCluster
+from tests.ray_cluster_fixture import RayCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -1,4 +1,7 @@
-"""Reusable fixtures for integration tests: a real local multi-node Ray cluster on this machine.
+"""The shared session fixture ``ray_cluster``: a real local multi-node Ray cluster on this machine.
+
+Registered once, in ``tests/conftest.py``, so integration and e2e tests share ONE cluster per pytest session
+(a fixture defined in two conftest files would start a second cluster on the same node IPs while the first lives).
 
 ``ray_cluster`` (session scope) starts a head with 0 CPUs (control plane only, so nothing lands there by accident)
 and three worker nodes added one at a time with node IPs 127.0.0.2, 127.0.0.3, 127.0.0.4 (all loopback on Linux),
