@@ -9,7 +9,10 @@ then ``iters`` decisions, each timed in two parts:
     decision = lookup + rank
 each both in wall-clock time (``decision_p50_us`` ...: what a caller waits, including time the OS gave the core
 to someone else — on a shared machine that dominates p99) and in this thread's CPU time (``decision_cpu_*``: the
-cost of the code itself, what a dedicated router core would wait)
+cost of the code itself, what a dedicated router core would wait). The prompts repeat, so after the first decision
+the index has learned their chains and a lookup reads them at O(log length) positions (``router.index``, "Learned
+chains"); ``lookup_cold_*`` times the first lookup of a prompt instead (the index forgets what it learned before
+each of those samples: a full walk plus learning, what a prefix nobody asked for before costs once)
 and, per prompt size, ``hash_us``: ``kvpool.keys.block_keys`` over the prompt's token ids (reported apart: the
 ingress hashes once per request). Each decision is acknowledged at once (steady state: no in-flight
 assignments piling up in the runner). The GC is frozen after the index is built, as a long-running router would
@@ -19,7 +22,7 @@ Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` 
 modern desktop core with CPython 3.11) so runs on different or shared machines can be compared.
 
 Output: a JSON list of rows (``replicas``, ``indexed_blocks``, ``prompt_tokens``, ``decision_p50_us``,
-``decision_p99_us``, ``hash_us`` and the lookup / rank split) to stdout with ``--json`` (or ``--out FILE``),
+``decision_p99_us``, ``hash_us``, the lookup / rank split and the cold lookup) to stdout with ``--json`` (or ``--out FILE``),
 else a table. Run it under the heavy lock: ``flock /tmp/kvstack-heavy.lock kvstack bench router --json``.
 """
 
@@ -47,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM default 16)")
     parser.add_argument("--replicas-per-node", type=int, default=4)
     parser.add_argument("--iters", type=int, default=200, help="timed decisions per cell")
+    parser.add_argument("--cold", type=int, default=20, help="timed first lookups (cold, see above) per cell")
     parser.add_argument("--model", default="qwen3-14b")
     parser.add_argument("--gpu", default="h100-sxm5-80gb")
     parser.add_argument("--seed", type=int, default=0)
@@ -135,6 +139,27 @@ class _Cluster:
                 self.pool_store((h - n_rep) // 2, keys, dram=bool(h % 2))
 
 
+def _measure_cold(cluster: _Cluster, requests: list[Any], samples: int) -> dict[str, Any]:
+    """The first lookup of a prompt: forget the learned chains (untimed), then time ``snapshot``."""
+    thread_ns, wall_ns = time.thread_time_ns, time.perf_counter_ns
+    index, replicas = cluster.index, cluster.replicas
+    wall: list[float] = []
+    cpu: list[float] = []
+    for i in range(samples):
+        req = requests[i % len(requests)]
+        index.forget_chains()
+        c0, t0 = thread_ns(), wall_ns()
+        index.snapshot(req, replicas)
+        t1, c1 = wall_ns(), thread_ns()
+        wall.append((t1 - t0) / 1e3)
+        cpu.append((c1 - c0) / 1e3)
+    return {
+        "lookup_cold_p50_us": round(_pct(wall, 0.5), 1),
+        "lookup_cold_p99_us": round(_pct(wall, 0.99), 1),
+        "lookup_cold_cpu_p50_us": round(_pct(cpu, 0.5), 1),
+    }
+
+
 def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int) -> dict[str, Any]:
     thread_ns, wall_ns = time.thread_time_ns, time.perf_counter_ns
     index, replicas = cluster.index, cluster.replicas
@@ -192,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     bs = args.block_size
     if bs <= 0 or args.iters <= 0 or args.replicas_per_node <= 0:
         raise SystemExit("--block-size, --iters and --replicas-per-node must be positive")
+    if args.cold < 0:
+        raise SystemExit("--cold must be >= 0")
     hw = Hardware(
         model=pick("model", load_models(), args.model), gpu=pick("gpu", load_gpus(), args.gpu), mfu=0.5, bw_util=0.8
     )
@@ -236,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
                 requests = [RouteRequest(f"q{size}-{v}", size, bs, keys) for v, keys in enumerate(prompts[size])]
                 row = {"replicas": n_rep, "indexed_blocks": len(cluster.index), "prompt_tokens": size,
                        "block_size": bs}
+                if args.cold > 0:
+                    row.update(_measure_cold(cluster, requests, args.cold))
                 row.update(_measure(cluster, runner, requests, args.iters))
                 row.update(hash_us=round(hash_us[size][0], 1), hash_cpu_us=round(hash_us[size][1], 1),
                            cpu_ref_us=round(cpu_ref_us, 1))
@@ -246,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
                         f"decision p50 {row['decision_p50_us']:8.1f} p99 {row['decision_p99_us']:8.1f} us  "
                         f"cpu p50 {row['decision_cpu_p50_us']:8.1f} p99 {row['decision_cpu_p99_us']:8.1f} us  "
                         f"(lookup cpu p50 {row['lookup_cpu_p50_us']:7.1f}, rank cpu p50 {row['rank_cpu_p50_us']:7.1f})"
+                        f"  cold lookup p50 {row.get('lookup_cold_p50_us', 0.0):8.1f}"
                         f"  hash {row['hash_us']:9.1f} us  {row['actions']}",
                         file=sys.stderr,
                     )

@@ -11,17 +11,16 @@ walks the request's keys in order and ANDs the masks; a holder's prefix ends whe
 stops when no holder remains, so a query costs O(matched length) dictionary lookups (done in C in chunks).
 
 Learned chains (why a repeated prefix costs O(log length)): block keys are chained (``kvpool.keys``: a key fixes
-every key before it), so the AND of the masks from block 0 to a key — its *prefix mask*, the holders of the whole
-prefix ending there — is a function of that key alone, and it only shrinks along a chain. A walk remembers the
-prefix mask of every key it matched (with its parent and children), and a later query of the same prefix reads
-it at O(log length) positions (exponential search for where the remembered part ends, bisection for where the
-mask changes) instead of walking it; only the part beyond is walked (and remembered). Exact at all times: every
-change to a mask updates the remembered masks of the key and its remembered descendants (a holder that drops a
-middle block leaves the prefix masks below it; one that fills the hole rejoins them), and a key whose prefix mask
-becomes empty is forgotten with its subtree. Remembered keys are a subset of the indexed keys (memory: ~3 dict
-entries per remembered key). This relies on the contract that a query's keys are a chain from block 0; a probed
-key whose remembered parent is not its predecessor in the query makes the index forget everything it learned and
-walk.
+every key before it and its position), so the AND of the masks from block 0 to a key — its *prefix mask*, the
+holders of the whole prefix ending there — is a function of that key alone, and it only shrinks along a chain. A
+walk remembers the prefix masks of the keys it matched (runs of them as segments: one dict entry per key, the masks
+in lists), and a later query of the same prefix reads them at O(log length) positions (exponential search for where
+the remembered part ends, bisection for where the mask changes) instead of walking; only the part beyond is walked
+(and remembered). Exact at all times: every change to a mask updates the remembered masks of the key and of its
+remembered descendants (a holder that drops a middle block leaves the prefix masks below it; one that fills the hole
+rejoins them), and keys whose prefix mask empties are forgotten with their descendants, so the remembered keys are
+a subset of the indexed ones. This relies on the contract that a query's keys are a chain from block 0: a probed key
+remembered at another position or after another key makes the index forget all it learned and walk.
 
 Ordering per source: sequence numbers without holes per epoch. A batch that starts after the last applied seq (or
 says ``gap``), or a source first seen mid-epoch, marks the source stale and queues a resync request; its events are
@@ -38,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
 from itertools import compress, repeat
-from operator import and_, attrgetter
+from operator import and_, attrgetter, itemgetter
 from typing import Literal
 
 from kvpool.events import EventBatch as ShardEventBatch
@@ -82,6 +81,231 @@ _EMPTY_MATCH = PrefixMatch({}, ())
 
 class _ChainMismatch(Exception):
     """A query's keys contradict a learned chain (internal)."""
+
+
+_OFF_BITS = 20  # a learned key's entry: segment id << _OFF_BITS | offset in the segment
+_OFF_MASK = (1 << _OFF_BITS) - 1
+
+
+class _Seg:
+    """A run of learned keys: chain positions [start, start + len(keys)); ``masks[i]`` is the prefix mask of
+    ``keys[i]`` (non-zero, non-increasing). ``parent``: the segment and offset of the key before ``keys[0]`` (None
+    at block 0); ``kids``: offset -> the segments that continue after the key at that offset (branches)."""
+
+    __slots__ = ("id", "keys", "kids", "masks", "parent", "start")
+
+    def __init__(self, seg_id: int, start: int, parent: _Loc | None) -> None:
+        self.id = seg_id
+        self.start = start
+        self.parent = parent
+        self.keys: list[bytes] = []
+        self.masks: list[int] = []
+        self.kids: dict[int, list[_Seg]] = {}
+
+
+_Loc = tuple[_Seg, int]  # (segment, offset) of a learned key
+
+
+def _no_learning(loc: _Loc | None, pos: int, chunk: list[bytes], masks: list[int]) -> None:
+    return None
+
+
+class _Chains:
+    """The learned chains of one ``PrefixIndex`` (module docstring, "Learned chains"). ``mask`` is the index's own
+    key -> holders dict (read here); the index calls ``added`` / ``removed`` after changing a learned key's mask."""
+
+    __slots__ = ("at", "mask", "next_id", "segs")
+
+    def __init__(self, mask: dict[bytes, int]) -> None:
+        self.mask = mask
+        self.at: dict[bytes, int] = {}  # learned key -> segment id << _OFF_BITS | offset
+        self.segs: dict[int, _Seg] = {}
+        self.next_id = 0
+
+    def clear(self) -> None:
+        self.at.clear()
+        self.segs.clear()
+
+    # ---- queries ---------------------------------------------------------------------------------------------
+
+    def recall(self, keys: Sequence[bytes], n: int, ends: list[tuple[int, int]]) -> tuple[int, int, _Loc | None]:
+        """The learned part of ``keys``: appends its ends; returns (prefix mask at its last block, its length, where
+        that block is learned), or (0, 0, None) when block 0 is not learned (or the keys contradict what was)."""
+        at, segs = self.at, self.segs
+
+        def loc(j: int) -> _Loc | None:  # where position j is learned (None: not learned); checks the chain
+            v = at.get(keys[j])
+            if v is None:
+                return None
+            seg, off = segs[v >> _OFF_BITS], v & _OFF_MASK
+            if seg.start + off != j:
+                raise _ChainMismatch
+            if j:
+                if off:
+                    before = seg.keys[off - 1]
+                else:
+                    parent = seg.parent
+                    if parent is None:
+                        raise _ChainMismatch
+                    before = parent[0].keys[parent[1]]
+                if before != keys[j - 1]:
+                    raise _ChainMismatch
+            return seg, off
+
+        try:
+            first = loc(0)
+            if first is None:
+                return 0, 0, None
+            last = loc(n - 1) if n > 1 else first
+            if last is None:  # exponential search for the first position not learned, then bisection
+                lo, hi, last = 0, 1, first
+                while hi < n - 1:
+                    here = loc(hi)
+                    if here is None:
+                        break
+                    lo, last = hi, here
+                    hi = 2 * hi + 1
+                else:
+                    hi = n - 1
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    here = loc(mid)
+                    if here is None:
+                        hi = mid
+                    else:
+                        lo, last = mid, here
+                f = lo + 1
+            else:
+                f = n
+        except _ChainMismatch:
+            self.clear()
+            return 0, 0, None
+        # The learned part is the path of segments from block 0 to ``last`` (parent links); where its prefix mask
+        # changes is found by bisection in their mask lists (it only shrinks: equal ends mean no change between).
+        path: list[_Loc] = []
+        seg, off = last
+        while True:
+            path.append((seg, off))
+            if seg.parent is None:
+                break
+            seg, off = seg.parent
+        if seg is not first[0]:
+            self.clear()
+            return 0, 0, None
+        before: int | None = None  # the prefix mask at the end of the previous segment on the path
+        for seg, hi in reversed(path):
+            masks, start = seg.masks, seg.start
+            m_lo, m_hi = masks[0], masks[hi]
+            if before is not None and m_lo != before:
+                ends.append((before & ~m_lo, start))
+            if m_lo != m_hi:
+                stack = [(0, m_lo, hi, m_hi)]
+                while stack:
+                    lo, vl, up, vh = stack.pop()
+                    if vl == vh:
+                        continue
+                    if up - lo == 1:
+                        ends.append((vl & ~vh, start + up))
+                        continue
+                    mid = (lo + up) >> 1
+                    vm = masks[mid]
+                    stack.append((mid, vm, up, vh))
+                    stack.append((lo, vl, mid, vm))
+            before = m_hi
+        return m_hi, f, last
+
+    def learn(self, loc: _Loc | None, pos: int, chunk: list[bytes], masks: list[int]) -> _Loc | None:
+        """Remember ``chunk`` (chain positions ``pos``.., following the key learned at ``loc``, or block 0 if None;
+        none learned yet) with its prefix masks (non-zero); returns where its last key is learned (None: the keys
+        contradict what was learned, which is all forgotten, and the walk learns no more)."""
+        parent: _Loc | None = None
+        seg: _Seg | None = None
+        if loc is not None:  # extend loc's segment if loc is its last key and nothing branches there yet
+            seg, off = loc
+            if off != len(seg.keys) - 1 or off in seg.kids or off + len(chunk) >= _OFF_MASK:
+                parent, seg = loc, None
+        if seg is None:  # a new segment (a new chain, or a branch off the middle of one)
+            seg = _Seg(self.next_id, pos, parent)
+            self.next_id += 1
+            self.segs[seg.id] = seg
+            if parent is not None:
+                parent[0].kids.setdefault(parent[1], []).append(seg)
+        at = self.at
+        size = len(at)
+        base = seg.id << _OFF_BITS | len(seg.keys)
+        at.update(zip(chunk, range(base, base + len(chunk))))
+        seg.keys += chunk
+        seg.masks += masks
+        if len(at) != size + len(chunk):  # a key learned twice: these keys are not a chain; forget, stop learning
+            self.clear()
+            return None
+        return seg, len(seg.keys) - 1
+
+    # ---- events (the index changed the mask of a learned key) -------------------------------------------------
+
+    def added(self, key: bytes, bit: int) -> None:
+        """A holder (``bit``) now holds learned ``key``: it joins the prefix masks of the key and of the learned
+        keys after it that it also holds, if it holds the whole prefix before ``key``."""
+        v = self.at[key]
+        seg, off = self.segs[v >> _OFF_BITS], v & _OFF_MASK
+        if off:
+            if not seg.masks[off - 1] & bit:
+                return
+        elif seg.parent is not None and not seg.parent[0].masks[seg.parent[1]] & bit:
+            return
+        get = self.mask.get
+        stack = [(seg, off)]
+        while stack:
+            seg, off = stack.pop()
+            keys, masks, kids = seg.keys, seg.masks, seg.kids
+            while off < len(keys) and not masks[off] & bit and get(keys[off], 0) & bit:
+                masks[off] |= bit
+                if kids and off in kids:
+                    stack.extend((k, 0) for k in kids[off])
+                off += 1
+
+    def removed(self, key: bytes, bit: int) -> None:
+        """A holder (``bit``) dropped learned ``key``: it leaves the prefix masks of the key and of every learned
+        key after it; keys whose prefix mask empties are forgotten with everything after them."""
+        v = self.at[key]
+        stack = [(self.segs[v >> _OFF_BITS], v & _OFF_MASK)]
+        while stack:
+            seg, off = stack.pop()
+            masks, kids = seg.masks, seg.kids
+            while off < len(masks) and masks[off] & bit:
+                m = masks[off] & ~bit
+                if not m:
+                    self._truncate(seg, off)  # the rest of the segment had only this holder too
+                    break
+                masks[off] = m
+                if kids and off in kids:
+                    stack.extend((k, 0) for k in kids[off] if k.masks[0] & bit)
+                off += 1
+
+    def _truncate(self, seg: _Seg, off: int) -> None:
+        """Forget ``seg``'s keys from ``off`` on and every segment that continues after them."""
+        at, segs = self.at, self.segs
+        for k in seg.keys[off:]:
+            del at[k]
+        del seg.keys[off:], seg.masks[off:]
+        doomed = [seg.kids.pop(o) for o in [o for o in seg.kids if o >= off]]
+        if off == 0:
+            del segs[seg.id]
+            if seg.parent is not None:
+                parent, poff = seg.parent
+                siblings = parent.kids.get(poff)
+                if siblings is not None and seg in siblings:
+                    siblings.remove(seg)
+                    if not siblings:
+                        del parent.kids[poff]
+        stack = [k for kids in doomed for k in kids]
+        while stack:
+            k = stack.pop()
+            for key in k.keys:
+                del at[key]
+            del segs[k.id]
+            for kids in k.kids.values():
+                stack.extend(kids)
 
 
 class _Holder:
@@ -130,10 +354,7 @@ class PrefixIndex:
         self._sources: dict[tuple[SourceKind, str], _Source] = {}
         self._resync: dict[tuple[SourceKind, str], str] = {}
         self._last_sweep = clock()
-        # Learned chains: key -> prefix mask (never 0), parent (None at block 0), children (one key, or a list).
-        self._pm: dict[bytes, int] = {}
-        self._up: dict[bytes, bytes | None] = {}
-        self._down: dict[bytes, bytes | list[bytes]] = {}
+        self._chains = _Chains(self._mask)
 
     # ---- introspection ---------------------------------------------------------------------------------------
 
@@ -155,13 +376,11 @@ class PrefixIndex:
 
     def learned_blocks(self) -> int:
         """Keys whose prefix mask the index remembers (see "Learned chains")."""
-        return len(self._pm)
+        return len(self._chains.at)
 
     def forget_chains(self) -> None:
-        """Forget every learned chain (queries walk again; for benchmarks of the cold path and for recovery)."""
-        self._pm.clear()
-        self._up.clear()
-        self._down.clear()
+        """Forget every learned chain (queries walk again; for benchmarks of the cold path)."""
+        self._chains.clear()
 
     # ---- replica events ----------------------------------------------------------------------------------------
 
@@ -243,9 +462,10 @@ class PrefixIndex:
         if n == 0 or not self._mask:
             return _EMPTY_MATCH
         ends: list[tuple[int, int]] = []  # (bits that dropped out, prefix length in blocks), by length
-        alive, i, prev = self._recall(keys, n, ends) if self._pm else (0, 0, None)
+        chains = self._chains
+        alive, i, loc = chains.recall(keys, n, ends) if chains.at else (0, 0, None)
         if i < n:
-            alive = self._walk(keys, n, i, prev, alive, ends)
+            alive = self._walk(keys, n, i, loc, alive, ends)
         if alive:
             ends.append((alive, n))
         hbm: dict[str, int] = {}
@@ -267,94 +487,38 @@ class PrefixIndex:
                     pool.append(hit)
         return PrefixMatch(hbm, tuple(pool))
 
-    def _recall(self, keys: Sequence[bytes], n: int, ends: list[tuple[int, int]]) -> tuple[int, int, bytes | None]:
-        """The learned part of ``keys``: appends its ends; returns (prefix mask at its last block, its length, its
-        last key), or (0, 0, None) when block 0 is not learned."""
-        pm, up = self._pm, self._up
-        k0 = keys[0]
-        v0 = pm.get(k0)
-        if v0 is None:
-            return 0, 0, None
-        if up[k0] is not None:
-            return self._inconsistent()
-
-        def at(j: int) -> int | None:  # prefix mask at position j (None: not learned); checks the chain link
-            key = keys[j]
-            v = pm.get(key)
-            if v is not None and up[key] != keys[j - 1]:
-                raise _ChainMismatch
-            return v
-
-        try:
-            last = at(n - 1) if n > 1 else v0
-            if last is not None:
-                f, v_last = n, last
-            else:  # exponential search for the first position not learned, then bisection
-                lo, hi = 0, 1
-                v_lo = v0
-                while hi < n - 1:
-                    v = at(hi)
-                    if v is None:
-                        break
-                    lo, v_lo = hi, v
-                    hi = 2 * hi + 1
-                else:
-                    hi = n - 1
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    v = at(mid)
-                    if v is None:
-                        hi = mid
-                    else:
-                        lo, v_lo = mid, v
-                f, v_last = lo + 1, v_lo
-            # Where the prefix mask changes inside [0, f): it only shrinks, so equal ends mean no change between.
-            if v0 != v_last:
-                stack = [(0, v0, f - 1, v_last)]
-                while stack:
-                    lo, vl, hi, vh = stack.pop()
-                    if vl == vh:
-                        continue
-                    if hi - lo == 1:
-                        ends.append((vl & ~vh, hi))
-                        continue
-                    mid = (lo + hi) >> 1
-                    vm = at(mid)
-                    if vm is None:
-                        raise _ChainMismatch  # a hole in the learned part: not a chain
-                    stack.append((mid, vm, hi, vh))
-                    stack.append((lo, vl, mid, vm))
-        except _ChainMismatch:
-            ends.clear()
-            return self._inconsistent()
-        return v_last, f, keys[f - 1]
-
-    def _inconsistent(self) -> tuple[int, int, None]:
-        """The query's keys contradict a learned chain (not a chain from block 0): forget all, walk from 0."""
-        self.forget_chains()
-        return 0, 0, None
-
     def _walk(
-        self, keys: Sequence[bytes], n: int, i: int, prev: bytes | None, alive: int, ends: list[tuple[int, int]]
+        self, keys: Sequence[bytes], n: int, i: int, loc: _Loc | None, alive: int, ends: list[tuple[int, int]]
     ) -> int:
-        """Walk ``keys[i:]`` ANDing masks (``alive``: the prefix mask at ``i - 1``; ``prev``: ``keys[i - 1]``),
-        appending ends and learning the prefix masks of the matched keys; returns the mask alive at the end."""
-        get = self._mask.get
+        """Walk ``keys[i:]`` ANDing masks (``alive``: the prefix mask at ``i - 1``, learned at ``loc``), appending
+        ends and learning the prefix masks of the matched keys; returns the mask alive at the end."""
+        mask = self._mask
+        get = mask.get
+        learn = self._chains.learn
         if i == 0:
-            prev = keys[0]
-            alive = get(prev, 0)
+            alive = get(keys[0], 0)
             if not alive:
                 return 0
-            self._learn(None, [prev], (alive,))
+            loc = learn(None, 0, [keys[0]], [alive])
+            if loc is None:
+                learn = _no_learning
             i = 1
         step = 16
         while i < n:
             j = i + step if i + step < n else n
             chunk = keys[i:j]
-            masks = list(map(get, chunk, repeat(0, j - i)))
-            if reduce(and_, masks, alive) == alive:  # nobody dropped out in this chunk (the common case)
-                self._learn(prev, chunk, repeat(alive, j - i))
-                prev = chunk[-1]
+            if j - i > 1:
+                try:
+                    masks: Sequence[int] = itemgetter(*chunk)(mask)  # all in C; a missing key ends the walk here
+                except KeyError:
+                    masks = list(map(get, chunk, repeat(0, j - i)))
+            else:
+                masks = (get(chunk[0], 0),)
+            m0 = masks[0]
+            if m0 & alive == alive and (masks.count(m0) == j - i or reduce(and_, masks, alive) == alive):
+                loc = learn(loc, i, chunk, [alive] * (j - i))  # nobody dropped out in this chunk (the common case)
+                if loc is None:
+                    learn = _no_learning
                 i = j
                 if step < 1024:
                     step <<= 1
@@ -369,98 +533,13 @@ class PrefixIndex:
                         break
                 vals.append(alive)
             if vals:
-                self._learn(prev, chunk[: len(vals)], vals)
-                prev = chunk[len(vals) - 1]
+                loc = learn(loc, i, chunk[: len(vals)], vals)
+                if loc is None:
+                    learn = _no_learning
             i += len(vals)
             if not alive:
                 break
         return alive
-
-    def _learn(self, parent: bytes | None, chain: list[bytes], masks: Iterable[int]) -> None:
-        """Remember ``chain`` (keys not learned yet, following ``parent``) with its prefix masks (all non-zero)."""
-        self._pm.update(zip(chain, masks))
-        up, down = self._up, self._down
-        up[chain[0]] = parent
-        if len(chain) > 1:
-            up.update(zip(chain[1:], chain))
-            down.update(zip(chain, chain[1:]))
-        if parent is not None:
-            self._link(parent, chain[0])
-
-    def _link(self, parent: bytes, child: bytes) -> None:
-        kids = self._down.get(parent)
-        if kids is None:
-            self._down[parent] = child
-        elif type(kids) is list:
-            if child not in kids:
-                kids.append(child)
-        elif kids != child:
-            self._down[parent] = [kids, child]  # type: ignore[list-item]
-
-    def _kids(self, key: bytes) -> Sequence[bytes]:
-        kids = self._down.get(key)
-        if kids is None:
-            return ()
-        return kids if type(kids) is list else (kids,)  # type: ignore[return-value]
-
-    def _learned_add(self, key: bytes, bit: int) -> None:
-        """A holder (``bit``) now holds learned ``key``: it joins the prefix masks of the key and of the learned
-        descendants it also holds, if it holds the whole prefix above ``key``."""
-        pm = self._pm
-        parent = self._up[key]
-        if parent is not None and not pm[parent] & bit:
-            return
-        mask = self._mask
-        stack = [key]
-        while stack:
-            k = stack.pop()
-            pm[k] |= bit
-            for c in self._kids(k):
-                if not pm[c] & bit and mask.get(c, 0) & bit:
-                    stack.append(c)
-
-    def _learned_remove(self, key: bytes, bit: int) -> None:
-        """A holder (``bit``) dropped learned ``key``: it leaves the prefix masks of the key and its descendants;
-        keys whose prefix mask empties are forgotten with their subtrees."""
-        pm = self._pm
-        stack = [key]
-        while stack:
-            k = stack.pop()
-            v = pm.get(k)
-            if v is None or not v & bit:
-                continue
-            v &= ~bit
-            if v:
-                pm[k] = v
-                stack.extend(c for c in self._kids(k) if pm[c] & bit)
-            else:
-                self._forget(k)
-
-    def _forget(self, root: bytes) -> None:
-        """Forget learned ``root`` and its learned subtree."""
-        pm, up, down = self._pm, self._up, self._down
-        parent = up.get(root)
-        if parent is not None:
-            kids = down.get(parent)
-            if type(kids) is list:
-                if root in kids:
-                    kids.remove(root)
-                if len(kids) == 1:
-                    down[parent] = kids[0]
-            elif kids == root:
-                del down[parent]
-        stack = [root]
-        while stack:
-            k = stack.pop()
-            if pm.pop(k, None) is None:
-                continue
-            del up[k]
-            kids = down.pop(k, None)
-            if kids is not None:
-                if type(kids) is list:
-                    stack.extend(kids)
-                else:
-                    stack.append(kids)
 
     def snapshot(
         self,
@@ -627,20 +706,20 @@ class PrefixIndex:
         bit = 1 << holder.bit
         mask = self._mask
         held = holder.keys
-        pm = self._pm
+        at = self._chains.at
         for k in keys:
             if k not in held:
                 held.add(k)
                 mask[k] = mask.get(k, 0) | bit
-                if k in pm:
-                    self._learned_add(k, bit)
+                if at and k in at:
+                    self._chains.added(k, bit)
             # else: already held (duplicate event), nothing to do
 
     def _remove(self, holder: _Holder, keys: Iterable[bytes]) -> None:
         bit = 1 << holder.bit
         mask = self._mask
         held = holder.keys
-        pm = self._pm
+        at = self._chains.at
         for k in keys:
             if k in held:
                 held.discard(k)
@@ -649,9 +728,8 @@ class PrefixIndex:
                     mask[k] = m
                 else:
                     del mask[k]
-                v = pm.get(k)
-                if v is not None and v & bit:
-                    self._learned_remove(k, bit)
+                if at and k in at:
+                    self._chains.removed(k, bit)
 
     def _replace_holder_keys(self, src: _Source, tier: HolderTier, keys: set[bytes]) -> None:
         holder = src.holders.get(tier)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from itertools import compress
-from operator import add, attrgetter, itemgetter
+from operator import attrgetter, itemgetter
 from typing import ClassVar
 
 from router.cost import GB
@@ -53,11 +53,6 @@ _INF = float("inf")
 _RECOMPUTE_DESC = (_RECOMPUTE, -1, 0, 0, 0)
 _by_ttft = attrgetter("predicted_ttft_s")
 _first = itemgetter(0)
-_get_q = attrgetter("queue_delay_s")
-_get_hb = attrgetter("hbm_prefix_blocks")
-_get_node = attrgetter("node_id")
-_get_hw = attrgetter("hw")
-_get_cost = attrgetter("cost")
 
 # desc = (action code, hit index or -1, fetch start block, fetch end block, reused tokens)
 Desc = tuple[int, int, int, int, int]
@@ -233,7 +228,7 @@ class CostBased(RoutingPolicy):
             costs = [q + fc for q in qs]
             cls_list = [fast] * n
             local = g0.local
-            on_local = [i for i in range(n) if rs[i].node_id in local] if local else ()
+            on_local: Sequence[int] = [i for i in range(n) if rs[i].node_id in local] if local else ()
             used = {fast} if len(on_local) < n else set()
             for i in on_local:
                 c = g0.node_class(rs[i].node_id)
@@ -310,8 +305,13 @@ class CostBased(RoutingPolicy):
         best = min(costs)
         first = costs.index(best)
         limit = best + max(self.window_abs_s, self.window_rel * best)
-        top = [i for i in range(n) if costs[i] <= limit]  # then a stable sort of the few in the window
-        if len(top) > 1:
+        costs[first] = _INF
+        alone = n == 1 or self.max_candidates == 1 or not min(costs) <= limit  # nobody else in the window (common)
+        costs[first] = best
+        if alone:
+            top = [first]
+        else:  # everyone in the window, then a stable sort of those few
+            top = [i for i in range(n) if costs[i] <= limit]
             top.sort(key=costs.__getitem__)
             del top[self.max_candidates :]
 

@@ -211,3 +211,80 @@ def test_query_matches_brute_force(holdings: list[set[int]], length: int, ops: l
         if n:
             expected[f"r{r}"] = n
     assert idx.query(keys[:length]).hbm == expected
+
+
+def _tree_keys(branch_at: int, length: int) -> tuple[list[bytes], list[bytes]]:
+    """Two chains that share their first ``branch_at`` keys (a conversation and a fork of it)."""
+    import hashlib
+
+    def chain(tokens: list[int]) -> list[bytes]:
+        out, prev = [], b"root"
+        for i, t in enumerate(tokens):
+            prev = hashlib.blake2b(prev + i.to_bytes(4, "little") + t.to_bytes(4, "little"), digest_size=16).digest()
+            out.append(prev)
+        return out
+
+    a = chain([0] * length)
+    b = chain([0] * branch_at + [1] * (length - branch_at))
+    assert a[:branch_at] == b[:branch_at] and (branch_at == length or a[branch_at] != b[branch_at])
+    return a, b
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    branch_at=st.integers(0, 24),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "remove", "query"]), st.integers(0, 3), st.integers(0, 1),
+                  st.sampled_from([0, 0, 0, 1, 3, 6, 11, 17, 23]), st.integers(1, 24)),
+        max_size=60,
+    ),
+)
+def test_learned_chains_stay_exact_under_interleaved_queries(
+    branch_at: int, ops: list[tuple[str, int, int, int, int]]
+) -> None:
+    """Queries (which learn chains) interleaved with stores / removals of runs of blocks on two branching chains
+    answer exactly what a brute-force scan of the holdings says, every time."""
+    chains = _tree_keys(branch_at, 24)
+    idx = PrefixIndex(clock=RouterClock())
+    held: list[set[bytes]] = [set() for _ in range(4)]
+    seqs = [0] * 4
+    for op, r, c, start, run in ops:
+        keys = chains[c]
+        if op == "query":
+            n = min(24, start + run)
+            expected = {}
+            for rr, h in enumerate(held):
+                m = 0
+                while m < n and keys[m] in h:
+                    m += 1
+                if m:
+                    expected[f"r{rr}"] = m
+            assert idx.query(keys[:n]).hbm == expected
+            continue
+        chunk = keys[start : start + run]
+        kind = STORED if op == "store" else REMOVED
+        (held[r].update if op == "store" else held[r].difference_update)(chunk)
+        idx.apply_replica_batch(rbatch(f"r{r}", seqs[r], [(kind, chunk)]))
+        seqs[r] += 1
+    assert idx.learned_blocks() <= len(set().union(*held))
+
+
+def test_learned_branches_follow_removals_and_additions_in_their_shared_part() -> None:
+    a, b = _tree_keys(8, 24)
+    idx = PrefixIndex(clock=RouterClock())
+    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, a + b[8:])]))
+    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, a[:20] + b[8:20])]))
+    assert idx.query(a).hbm == {"r0": 24, "r1": 20}
+    assert idx.query(b).hbm == {"r0": 24, "r1": 20}  # learns a branch off a's chain at block 8
+    assert idx.learned_blocks() == 24 + 16
+    idx.apply_replica_batch(rbatch("r0", 1, [(REMOVED, [a[3]])]))  # in the shared part: both branches lose r0
+    assert idx.query(b).hbm == {"r0": 3, "r1": 20}
+    assert idx.query(a).hbm == {"r0": 3, "r1": 20}
+    idx.apply_replica_batch(rbatch("r0", 2, [(STORED, [a[3]])]))  # the hole is filled: r0 rejoins both
+    assert idx.query(b).hbm == {"r0": 24, "r1": 20}
+    assert idx.query(a).hbm == {"r0": 24, "r1": 20}
+    idx.apply_replica_batch(rbatch("r1", 1, [(REMOVED, [a[0]])]))  # r1 leaves every prefix
+    assert idx.query(b).hbm == {"r0": 24}
+    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, [a[0]])]))  # nobody holds block 0: all learned is forgotten
+    assert idx.learned_blocks() == 0
+    assert idx.query(b).hbm == {} and idx.query(a).hbm == {}
