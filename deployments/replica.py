@@ -6,6 +6,11 @@ Who calls what:
 - The replica publishes its routing stats (running/waiting requests, KV use, the block keys of prefixes it has
   computed — its HBM prefix cache as the router models it) to the ``router.hub.ClusterViewHub`` actor every
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
+- With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
+  (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
+  ``collective_rpc(kvpool.connector.drain_transfer_records)``; the routers calibrate their tier prices with them.
+- A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
+  first has its head computed and its tail staged on this node (``deployments.split_staging``).
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
 
 The HBM view comes from vLLM's own KV cache events (``deployments.kv_events``): every block vLLM stores or evicts
@@ -17,6 +22,7 @@ LRU bounded at the engine's KV capacity (an estimate; the regret metric measures
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -29,11 +35,14 @@ import msgspec
 
 from deployments.app_config import PoolSettings
 from deployments.engine_settings import EngineSettings
-from router.hub import DEFAULT_HUB_NAME, ReplicaReport, get_or_create_hub
+from router.hub import DEFAULT_HUB_NAME, ReplicaReport, TransferSample, get_or_create_hub
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
+from deployments.split_staging import SplitStats, stage_split
 from router.wire import ControlRequest, GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root
 
 log = logging.getLogger("kvstack.replica")
+
+SPLIT_STAGING_DEADLINE_S = 60.0  # computing a SPLIT's head and staging its tail on this node, at most
 
 
 class HbmPrefixLedger:
@@ -89,9 +98,13 @@ class HbmPrefixLedger:
         return list(self._keys)
 
 
-def to_sampling_params(s: Sampling, *, stream: bool) -> Any:
+def to_sampling_params(s: Sampling, *, stream: bool, kv_shard_hint: str | None = None) -> Any:
+    """vLLM's ``SamplingParams`` for the wire's sampling fields; ``kv_shard_hint``: the pool shard the kvpool
+    connector should look up first (the router's plan), passed as the request's ``kv_transfer_params``."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    from kvpool.connector_scheduler import PLAN_PARAM
 
     return SamplingParams(
         n=s.n,
@@ -106,6 +119,7 @@ def to_sampling_params(s: Sampling, *, stream: bool) -> Any:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": {PLAN_PARAM: kv_shard_hint}} if kv_shard_hint else None,
     )
 
 
@@ -146,6 +160,8 @@ class VLLMReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
+        self._local_shard: Any = None  # this node's pool shard (ShardHandle) when the pool is on
+        self.split_stats = SplitStats()
         if pool is not None and not isinstance(pool, PoolSettings):
             pool = PoolSettings.model_validate(pool)
         self.pool = pool if pool is not None and pool.enabled else None
@@ -171,8 +187,9 @@ class VLLMReplica:
         started = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port, kv_transfer))
         self.startup_s = time.monotonic() - started
+        self._fingerprint = ""
         if self.pool is not None:
-            fingerprint = await self._registered_layout_fingerprint()
+            fingerprint = self._fingerprint = await self._registered_layout_fingerprint()
             self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt, fingerprint)
             if self._events is not None:
                 self._events.translator.root = self.key_root
@@ -184,6 +201,9 @@ class VLLMReplica:
         if hub_name:
             self._hub = get_or_create_hub(hub_name, hub_namespace)
         self._stats_interval_s = stats_interval_s
+        self._served = 0  # requests finished here (the pool's transfer records are drained only after new ones)
+        self._drained_at_served = 0
+        self._pending_samples: list[TransferSample] = []  # SPLIT pulls, sent with the next report
         self._publisher = asyncio.get_event_loop().create_task(self._publish_loop()) if self._hub else None
         log.info("replica %s on node %s: engine up in %.1f s", self.replica_id, self.node_id[:8], self.startup_s)
 
@@ -197,6 +217,7 @@ class VLLMReplica:
 
         assert self.pool is not None
         local = ensure_local_shard(self.settings, self.pool)
+        self._local_shard = local
         shards = [ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in list_shards(SHARD_NAMESPACE)]
         cfg = ConnectorConfig(
             shards=shards, model_id=self.settings.served_model_name, local_shard=local.shard_id,
@@ -222,12 +243,13 @@ class VLLMReplica:
         if isinstance(request, bytes):
             request = msgspec.msgpack.decode(request, type=GenerateRequest)
         check_version(request.version, "GenerateRequest")
-        params = to_sampling_params(request.sampling, stream=request.stream)
-        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         self.waiting += 1
         first = True
         prompt_tokens = len(request.prompt_token_ids)
         try:
+            hint = await self._plan_hint(request)
+            params = to_sampling_params(request.sampling, stream=request.stream, kv_shard_hint=hint)
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
             async for out in self.engine.generate(prompt, params, request.request_id):
                 if first:
                     self.waiting -= 1
@@ -254,9 +276,38 @@ class VLLMReplica:
                 self.waiting -= 1
             else:
                 self.running -= 1
+            self._served += 1
             if self._events is None:  # no engine events: record the prompt's blocks ourselves
                 with self.ledger.lock:
                     self.ledger.touch(list(request.block_keys))
+
+    async def _plan_hint(self, request: GenerateRequest) -> str | None:
+        """The pool shard the connector should look at first: the plan's (FETCH), or for a SPLIT the shard that
+        holds the tail once the head is computed and the tail staged on this node (``deployments.split_staging``)."""
+        plan = request.fetch_plan
+        if self.pool is None or plan is None:
+            return None
+        if request.action != "split":
+            return plan.shard_id
+        from kvpool.keys import chain_keys
+
+        self.split_stats.splits += 1
+        local = self._local_shard
+        outcome = await stage_split(
+            self.engine, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+            pool_keys=[bytes(k) for k in chain_keys(self.key_root, request.prompt_token_ids, self.settings.block_size)],
+            plan=plan, block_size=self.settings.block_size, node_id=self.node_id,
+            local_shard=local.async_client() if local is not None else None,
+            local_shard_id=local.shard_id if local is not None else "", fingerprint=self._fingerprint,
+            deadline_s=SPLIT_STAGING_DEADLINE_S,
+        )
+        if outcome.pulled and outcome.pull_s > 0:  # a pool fetch like any other, for the routers' tier fits
+            self._pending_samples.append(TransferSample(plan.shard_id, plan.tier == "ssd", outcome.pull_bytes,
+                                                        outcome.pull_s))
+        self.split_stats.heads_computed += int(outcome.head_s > 0)
+        self.split_stats.blocks_pulled += outcome.pulled
+        self.split_stats.failures += int(bool(outcome.error))
+        return outcome.hint_shard
 
     @staticmethod
     def _logprobs(comp: Any, top_k: int) -> list[list[TokenLogprob]]:
@@ -278,6 +329,8 @@ class VLLMReplica:
             return {"replica_id": self.replica_id, "ok": False, "error": "reached the wrong replica (target gone?)"}
         if request.op == "reset_prefix_cache":
             return {"replica_id": self.replica_id, "ok": await self.reset_prefix_cache()}
+        if request.op == "info":
+            return {"ok": True, **await self.info()}
         return {"replica_id": self.replica_id, "ok": False, "error": f"unknown op {request.op!r}"}
 
     async def reset_prefix_cache(self) -> bool:
@@ -289,7 +342,8 @@ class VLLMReplica:
     async def info(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
                 "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
-                "kv_events_skipped": self._events.translator.skipped if self._events else 0}
+                "kv_events_skipped": self._events.translator.skipped if self._events else 0,
+                "split": dataclasses.asdict(self.split_stats)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""
@@ -299,9 +353,30 @@ class VLLMReplica:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine of replica {self.replica_id} has errored")
 
+    async def _transfer_samples(self) -> list[TransferSample]:
+        """The pool fetches finished since the last call: the engine connector's loads (asked only after new
+        requests finished here; a failed ask loses those samples, nothing else) and this replica's SPLIT pulls."""
+        samples, self._pending_samples = self._pending_samples, []
+        if self.pool is None or self._served == self._drained_at_served:
+            return samples
+        from kvpool.connector import drain_transfer_records
+        from kvpool.connector_meta import TransferRecord
+
+        self._drained_at_served = self._served
+        try:
+            per_worker = await asyncio.wait_for(self.engine.collective_rpc(drain_transfer_records), timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - calibration samples only
+            log.warning("replica %s: reading transfer records failed: %s", self.replica_id, exc)
+            return samples
+        for raw in (r for worker in per_worker for r in (worker or [])):
+            rec = msgspec.msgpack.decode(raw, type=TransferRecord)
+            samples.append(TransferSample(rec.shard_id, rec.ssd_blocks > 0, rec.bytes_moved, rec.seconds))
+        return samples
+
     async def _publish_loop(self) -> None:
         first = True
         while True:
+            transfers = await self._transfer_samples()
             with self.ledger.lock:
                 stored, removed = self.ledger.drain()
                 snapshot = self.ledger.snapshot() if first else []
@@ -309,7 +384,7 @@ class VLLMReplica:
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
                 waiting=self.waiting, key_root=bytes(self.key_root), stored=snapshot if first else stored,
-                removed=[] if first else removed, full=first, sent_at=time.time(),
+                removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
             )
             try:
                 await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)

@@ -16,6 +16,8 @@ vLLM creates one instance per role; this class only dispatches (one file per rol
   ``get_handshake_metadata``, ``start_load_kv``, ``wait_for_layer_load`` (no-op: a load completes inside
   ``start_load_kv``), ``save_kv_layer`` (no-op: saves run once per step in ``wait_for_save``), ``wait_for_save``,
   ``get_transfer_results``, ``get_block_ids_with_load_errors``.
+The replica reads the worker's finished-load timings with ``engine.collective_rpc(drain_transfer_records)``
+(encoded ``TransferRecord``s; the routers calibrate their tier prices with them).
 Messages between the roles: ``kvpool.connector_meta``. Hybrid models (several KV cache groups) are supported
 (``SupportsHMA``): full-attention blocks per block plus the linear-state snapshot at a block boundary.
 """
@@ -35,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector_config import ConnectorConfig
-from kvpool.connector_meta import KvPoolMetadata
+from kvpool.connector_meta import KvPoolMetadata, TransferRecord
 from kvpool.connector_scheduler import SchedulerSide
 from kvpool.connector_worker import WorkerSide
 
@@ -112,6 +114,9 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
 
+    def take_transfer_records(self) -> list[TransferRecord]:
+        return self._worker().take_transfer_records()
+
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
@@ -143,3 +148,17 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
+
+
+def drain_transfer_records(worker: Any) -> list[bytes]:
+    """Run in a vLLM worker through ``collective_rpc``: this worker's finished loads since the last call, msgpack
+    encoded (``TransferRecord``); empty when the engine runs without the kvpool connector."""
+    import msgspec
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return []
+    connector = get_kv_transfer_group()
+    if not isinstance(connector, KvPoolConnector) or connector.worker_side is None:
+        return []
+    return [msgspec.msgpack.encode(r) for r in connector.take_transfer_records()]

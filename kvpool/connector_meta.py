@@ -7,6 +7,9 @@ Who sends what:
 - Scheduler → worker, every step: ``KvPoolMetadata`` (``build_connector_meta`` → ``bind_connector_metadata``):
   the loads to run (blocks leased on a shard, and where each goes in the KV cache) and the saves to run after the
   forward (which engine blocks, under which keys).
+- Worker → replica, on request: ``TransferRecord``s (``kvpool.connector.drain_transfer_records`` through the
+  engine's ``collective_rpc``): one per finished load — bytes, lease and read seconds, how many blocks the shard
+  had to promote from SSD — which the replica publishes for the routers' tier calibration.
 vLLM pickles these between processes; they hold only plain values.
 """
 
@@ -50,7 +53,25 @@ class LoadSpec(msgspec.Struct, frozen=True):
     blocks: list[LoadBlock]
     state: LoadBlock | None
     all_or_nothing: bool
+    lease_s: float = 0.0  # how long the scheduler's lease call took (SSD promotion happens inside it)
+    ssd_blocks: int = 0  # leased blocks the shard found on SSD (promoted to DRAM for the lease)
     version: int = META_VERSION
+
+
+class TransferRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One finished load (all of its slots read and verified): what it cost, end to end from the lease."""
+
+    shard_id: str
+    blocks: int  # slots read (attention blocks plus a hybrid's state slot)
+    bytes_moved: int
+    lease_s: float
+    read_s: float
+    ssd_blocks: int
+    version: int = META_VERSION
+
+    @property
+    def seconds(self) -> float:
+        return self.lease_s + self.read_s
 
 
 class SaveSpec(msgspec.Struct, frozen=True):

@@ -5,7 +5,9 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   used in every block key and pool call. Until then the pool is not consulted.
 - ``on_new_request(request)`` when a request arrives (we keep the ``Request`` for its tokens and salt).
 - ``get_num_new_matched_tokens(request, num_computed)`` possibly many times while the request waits: one parallel
-  lookup round trip over the shards (no lease, no state change anywhere: side-effect free). Only full blocks of the
+  lookup round trip over the shards (no lease, no state change anywhere: side-effect free), the router's planned
+  shard (``kv_transfer_params[PLAN_PARAM]``) first; nothing for a request flagged ``NO_LOAD_PARAM`` (the head of
+  a SPLIT, which the replica computes on purpose). Only full blocks of the
   prompt, keyed by chained block keys (``kvpool.keys``) under ``Namespace(model_id, fingerprint, cache_salt)``.
   Hybrids: the hit ends at the furthest boundary where the shard holds the full-attention blocks *and* the state
   snapshot (``state_key``). Loads are asynchronous in vLLM's terms (``load_kv_async=True``): the request waits in
@@ -27,6 +29,7 @@ Lookups and leases are blocking Ray calls with deadlines (``lookup_deadline_s``,
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +40,12 @@ from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, Lo
 from kvpool.connector_pool import PoolShards
 from kvpool.keys import BlockKey, Namespace, chain_keys
 from kvpool.layout import KvLayout
+from kvpool.events import Tier
 
 log = logging.getLogger(__name__)
 
 PLAN_PARAM = "kvpool_shard"  # optional kv_transfer_params hint from the router: the shard to fetch from
+NO_LOAD_PARAM = "kvpool_no_load"  # kv_transfer_params flag: compute this request, load nothing (a SPLIT's head)
 RECENT_SAVES = 65536  # keys this engine already saved (skip re-saving them)
 
 
@@ -164,6 +169,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.ready or request.prompt_token_ids is None:
             return 0, False
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get(NO_LOAD_PARAM):
+            return 0, False
         r = self._track(request)
         if r.loaded_at == request.num_preemptions:
             # vLLM asks again without a preemption in between: the load we planned failed completely. Offer
@@ -227,11 +235,13 @@ class SchedulerSide:
         if self.plan.hybrid:
             lease_keys.append(state_key(keys[match.end - 1]))
         reply = None
+        t0 = time.perf_counter()
         try:
             reply = self.shards.client(match.shard_id).lease(lease_keys, self.fingerprint, self.cfg.lease_ttl_s)
         except Exception as exc:  # ShardUnavailableError, a dead actor, a bad reply: the load fails, vLLM recomputes
             log.warning("kvpool connector: lease on %s failed: %s", match.shard_id, exc)
             self.shards.forget(match.shard_id)
+        lease_s = time.perf_counter() - t0
         leased = list(reply.lease.blocks) if reply is not None else []
         if reply is not None and reply.lease.lease_id:
             r.leases.append(_Lease(match.shard_id, reply.lease.lease_id, self._step))
@@ -241,10 +251,10 @@ class SchedulerSide:
             self.stats.leases_short += 1
             if self.plan.hybrid and reply is not None and reply.lease.lease_id:
                 self._release(request.request_id, "short", only=reply.lease.lease_id)  # useless without the state
-        self._queue_load(request.request_id, match.shard_id, reply, match.start, match.end, block_ids, leased)
+        self._queue_load(request.request_id, match.shard_id, reply, match.start, match.end, block_ids, leased, lease_s)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
-                    block_ids: tuple[list[int], ...], leased: list[Any]) -> None:
+                    block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float) -> None:
         loads: list[LoadBlock] = []
         for i in range(start, end):
             j = i - start
@@ -264,6 +274,8 @@ class SchedulerSide:
             blocks=loads,
             state=state,
             all_or_nothing=self.plan.hybrid,
+            lease_s=lease_s,
+            ssd_blocks=sum(1 for b in leased if b.from_tier is Tier.SSD),
         ))
         self.stats.loads_planned += 1
         self.stats.blocks_to_load += len(loads)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +41,14 @@ from kvpool.connector_layout import (
     pool_plan,
     tensor_info,
 )
-from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec
+from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
 from kvpool.connector_pool import PoolShards
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
 
 log = logging.getLogger(__name__)
+
+TRANSFER_RECORDS = 512  # finished loads kept for the replica's calibration reports (older ones are dropped)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._records: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS)
         self._meta: KvPoolMetadata | None = None
 
     # ------------------------------------------------------------------ startup
@@ -180,12 +184,16 @@ class WorkerSide:
             if spec.state is not None:
                 items.append((spec.state, geo.state_groups))
         failed: set[int] = set()
+        moved, read_s = 0, 0.0
         if geo is None or self.endpoint is None or not spec.shard_id:
             failed = set(range(len(items))) or {-1}
         else:
-            failed = self._read_and_verify(spec, items, geo)
+            failed, moved, read_s = self._read_and_verify(spec, items, geo)
         if not failed:
             self.stats.blocks_loaded += len(items)
+            if moved:
+                self._records.append(TransferRecord(spec.shard_id, len(items), moved, spec.lease_s, read_s,
+                                                    spec.ssd_blocks))
             return
         self.stats.load_failures += 1
         self.stats.blocks_failed += len(failed)
@@ -199,9 +207,11 @@ class WorkerSide:
                 self._invalid_blocks.update(items[idx][0].block_ids.values())
 
     def _read_and_verify(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]],
-                         geo: PoolGeometry) -> set[int]:
+                         geo: PoolGeometry) -> tuple[set[int], int, float]:
+        """(indexes of the items that failed, bytes read, seconds the read took)."""
         assert self.endpoint is not None
         failed: set[int] = set()
+        moved, read_s = 0, 0.0
         ops: list[BlockOp] = []
         owner: list[int] = []
         for idx, (blk, groups) in enumerate(items):
@@ -220,21 +230,23 @@ class WorkerSide:
                 self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
                 t0 = time.perf_counter()
                 result = self.endpoint.read(spec.agent_name, ops, self.cfg.transfer_deadline_s)
-                self.stats.read_seconds += time.perf_counter() - t0
-                self.stats.bytes_read += result.bytes_moved
+                read_s = time.perf_counter() - t0
+                moved = result.bytes_moved
+                self.stats.read_seconds += read_s
+                self.stats.bytes_read += moved
                 failed.update(owner[i] for i in result.failed)
             except Exception as exc:  # peer metadata unavailable, shard dead: every block of this load failed
                 log.warning("kvpool connector: read from %s failed: %s", spec.shard_id, exc)
                 self._peer_epochs.pop(spec.agent_name, None)
                 self.shards.forget(spec.shard_id)
-                return set(range(len(items)))
+                return set(range(len(items))), 0, 0.0
         for idx, (blk, groups) in enumerate(items):
             if idx in failed or blk.remote is None:
                 continue
             if self._checksum(geo.pieces(groups, blk.block_ids), blk.remote.length) != blk.remote.checksum:
                 self.stats.checksum_failures += 1
                 failed.add(idx)
-        return failed
+        return failed, moved, read_s
 
     def _checksum(self, pieces: list[tuple[int, int, int]], slot_bytes: int) -> int:
         parts = [self._arrays[region][off : off + length] for region, off, length in pieces]
@@ -320,6 +332,12 @@ class WorkerSide:
         done, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return done | failed, failed
+
+    def take_transfer_records(self) -> list[TransferRecord]:
+        """The finished loads since the last call (oldest first; at most ``TRANSFER_RECORDS`` are kept)."""
+        out = list(self._records)
+        self._records.clear()
+        return out
 
     def take_load_errors(self) -> set[int]:
         errors, self._invalid_blocks = self._invalid_blocks, set()

@@ -7,7 +7,12 @@ Who calls what:
 - The vLLM connector's scheduler side calls ``lookup`` (side-effect free), ``lease`` / ``release``; its save path
   calls ``reserve``, writes the blocks with its own transfer endpoint into the shard's arena at the reserved
   offsets, then ``commit`` (or ``abort``). Its worker side ``add_peer``s ``transfer_metadata()`` and reads leased
-  blocks at the returned offsets of ``region_id``. The shard never initiates transfers.
+  blocks at the returned offsets of ``region_id``.
+- A replica (the router's SPLIT action: fetch the tail while the head is computed) or an operator asks a shard to
+  ``pull`` blocks from a peer shard (``ShardClient.pull`` / ``AsyncShardClient.pull``). This is the ONLY time a
+  shard initiates a transfer: it leases the blocks on the source, reads them with its own endpoint into reserved
+  slots of its arena, commits the ones whose checksums match and always releases the lease
+  (``kvpool.shard_pull``). Every other transfer is initiated by a client.
 - The router's directory sync (``kvpool.directory``) pulls ``events_since`` / ``snapshot`` through
   ``ShardEventSource``.
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0).
@@ -18,7 +23,9 @@ and return ``bytes``; ``ShardClient`` does the encoding). A request of another w
 ``ShardUnavailableError`` on the control path (the data path reports failed blocks, see ``kvpool.transfer``).
 
 The actor is threaded (``max_concurrency``); one lock serializes the store. Lease and reservation expiry run on a
-background sweeper thread every ``sweep_interval_s``, so expiry does not wait for the next request.
+background sweeper thread every ``sweep_interval_s``, so expiry does not wait for the next request. ``pull`` runs
+in its own concurrency group (``PULL_CONCURRENCY`` threads; more pulls queue there): a pull waits on its source for
+up to its deadline, and pulls stuck on a frozen source must not starve ``lookup`` / ``lease`` of the connectors.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvpool.checksum import CHECKSUM_ALGO
 from kvpool.events import EventBatch, ShardSnapshot
 from kvpool.metrics import PoolMetrics
+from kvpool.shard_registry import SHARD_NAMESPACE
 from kvpool.store import BlockStore, CommitResult, Lease, LookupResult, Reservation, StoreConfig, StoreStats
 from kvpool.transfer.nixl import NixlOptions
 from kvpool.transfer.tcp import TcpOptions
@@ -43,6 +51,9 @@ from kvpool.transfer.tcp import TcpOptions
 log = logging.getLogger(__name__)
 
 POOL_WIRE_VERSION = 1
+PULL_LEASE_TTL_S = 30.0  # default lease a pull takes on its source (must cover the pull's deadline)
+PULL_REPLY_GRACE_S = 2.0  # a pull client waits deadline_s + this for the reply (queueing, the lease release)
+PULL_CONCURRENCY = 4  # pulls run in their own Ray concurrency group of this many threads (see the module doc)
 BACKENDS = ("nixl", "tcp", "none")  # "none": no transfer endpoint (control-plane only; nothing can move bytes)
 
 
@@ -54,12 +65,17 @@ class ShardUnavailableError(RuntimeError):
     """The shard did not answer within the deadline, or its actor is dead."""
 
 
+class ShardDeadError(ShardUnavailableError):
+    """The shard's actor is dead (a handle to a restarted shard must be resolved again)."""
+
+
 class ShardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shard_id: str
     store: StoreConfig
     backend: str = "nixl"
     sweep_interval_s: float = 0.5
     metrics_port: int = 0  # > 0: serve this shard's registry over HTTP on that port
+    registry_namespace: str = SHARD_NAMESPACE  # where ``pull`` finds source shards by id (``kvpool.shard_registry``)
     nixl: NixlOptions | None = None  # backend "nixl": None = NixlOptions() defaults
     tcp: TcpOptions | None = None  # backend "tcp": None = listen on this node's IP, any free port
 
@@ -116,6 +132,18 @@ class EventsRequest(msgspec.Struct, frozen=True, tag="events"):
     version: int = POOL_WIRE_VERSION
 
 
+class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
+    """Copy ``keys`` (those not held here yet) from shard ``source_shard_id`` into this shard's DRAM, within
+    ``deadline_s`` seconds of the shard starting on it; the source's lease on them lasts ``lease_ttl_s``."""
+
+    source_shard_id: str
+    keys: list[bytes]
+    fingerprint: str
+    deadline_s: float
+    lease_ttl_s: float = PULL_LEASE_TTL_S
+    version: int = POOL_WIRE_VERSION
+
+
 class LookupReply(msgspec.Struct, frozen=True, tag="lookup_reply"):
     shard_id: str
     epoch: str
@@ -156,6 +184,28 @@ class AckReply(msgspec.Struct, frozen=True, tag="ack_reply"):
     shard_id: str
     epoch: str
     ok: bool
+    version: int = POOL_WIRE_VERSION
+
+
+class PullReply(msgspec.Struct, frozen=True, tag="pull_reply"):
+    """What a pull did. ``requested`` = ``present`` + ``pulled`` + ``failed`` + ``missing``:
+    ``present`` already held here (skipped, or committed meanwhile by another writer); ``pulled`` committed now;
+    ``failed`` not committed although asked for: source unreachable / dead / too slow, transfer failed, checksum
+    mismatch, no free slot here; ``missing`` not held by the source (beyond the prefix its lease pinned).
+    ``error`` says why when anything failed ("" otherwise). ``seconds``: wall time of the pull in the shard;
+    ``read_seconds``: of that, the one transfer read (the rest is the lease / release round trips and the store)."""
+
+    shard_id: str
+    epoch: str
+    requested: int
+    present: int
+    pulled: int
+    failed: int
+    missing: int
+    bytes_moved: int
+    seconds: float
+    error: str = ""
+    read_seconds: float = 0.0
     version: int = POOL_WIRE_VERSION
 
 
@@ -212,6 +262,11 @@ class PoolShard:
                 options = cfg.tcp or TcpOptions(bind_host=self.node_ip)
             self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=options)
             self.region_id = self.endpoint.register(self.store.arena.buffer)
+        from kvpool.shard_pull import Puller, named_shard_resolver
+
+        self._puller = Puller(
+            self.store, self._lock, self.endpoint, self.region_id, named_shard_resolver(cfg.registry_namespace)
+        )
         self._http: Any = None
         if cfg.metrics_port > 0:
             from prometheus_client import start_http_server
@@ -294,9 +349,16 @@ class PoolShard:
         with self._lock:
             return _ENC.encode(self.store.snapshot())
 
+    @ray.method(concurrency_group="pull")
+    def pull(self, raw: bytes) -> bytes:
+        """``PullRequest`` → ``PullReply`` (see ``kvpool.shard_pull``); the store lock is not held while bytes move."""
+        req = _decode(raw, PullRequest)
+        return _ENC.encode(self._puller.pull(req))
+
     def stats(self) -> bytes:
         with self._lock:
-            return _ENC.encode(self.store.stats())
+            st = self.store.stats()
+        return _ENC.encode(msgspec.structs.replace(st, counters={**st.counters, **self._puller.counters()}))
 
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()
@@ -315,6 +377,7 @@ class PoolShard:
         """Stop the sweeper, close the endpoint and the store. Idempotent; the actor can be killed afterwards."""
         self._stop.set()
         self._sweeper.join(timeout=5.0)
+        self._puller.close()
         if self._http is not None:
             self._http.shutdown()
             self._http = None
@@ -325,7 +388,7 @@ class PoolShard:
             self.store.close()
 
 
-PoolShardActor = ray.remote(PoolShard)
+PoolShardActor = ray.remote(concurrency_groups={"pull": PULL_CONCURRENCY})(PoolShard)
 
 
 # ---------------------------------------------------------------------------------------------- client side
@@ -335,7 +398,7 @@ def _get(ref: Any, deadline_s: float, what: str) -> bytes:
     except ray.exceptions.GetTimeoutError as exc:
         raise ShardUnavailableError(f"{what}: no answer within {deadline_s}s") from exc
     except ray.exceptions.RayActorError as exc:
-        raise ShardUnavailableError(f"{what}: shard actor is dead ({exc})") from exc
+        raise ShardDeadError(f"{what}: shard actor is dead ({exc})") from exc
 
 
 async def _aget(ref: Any, deadline_s: float, what: str) -> bytes:
@@ -344,7 +407,7 @@ async def _aget(ref: Any, deadline_s: float, what: str) -> bytes:
     except TimeoutError as exc:
         raise ShardUnavailableError(f"{what}: no answer within {deadline_s}s") from exc
     except ray.exceptions.RayActorError as exc:
-        raise ShardUnavailableError(f"{what}: shard actor is dead ({exc})") from exc
+        raise ShardDeadError(f"{what}: shard actor is dead ({exc})") from exc
 
 
 class ShardClient:
@@ -409,6 +472,62 @@ class ShardClient:
         ref = self.handle.demote.remote([bytes(k) for k in keys])
         return int(_get(ref, self.deadline_s, f"shard {self.shard_id}.demote"))  # type: ignore[arg-type]
 
+    def pull(
+        self,
+        source_shard_id: str,
+        keys: Sequence[bytes],
+        fingerprint: str,
+        *,
+        deadline_s: float,
+        lease_ttl_s: float = PULL_LEASE_TTL_S,
+    ) -> PullReply:
+        """Ask this shard to copy ``keys`` from ``source_shard_id`` (see ``PullReply``). Failures on the source side
+        are data (``reply.failed`` / ``reply.error``); this shard not answering within ``deadline_s`` +
+        ``PULL_REPLY_GRACE_S`` raises ``ShardUnavailableError``; an invalid request raises ``ValueError``."""
+        req = pull_request(self.shard_id, source_shard_id, keys, fingerprint, deadline_s, lease_ttl_s)
+        raw = self._call("pull", _ENC.encode(req), deadline_s=deadline_s + PULL_REPLY_GRACE_S)
+        return _decode(raw, PullReply)
+
+
+class AsyncShardClient:
+    """Async, deadline-bounded calls to one shard actor, for code on an event loop (a replica asking its node's shard
+    to ``pull`` the tail of a prefix while vLLM computes the head). Never blocks the loop."""
+
+    def __init__(self, handle: Any, shard_id: str) -> None:
+        self.handle = handle
+        self.shard_id = shard_id
+
+    async def pull(
+        self,
+        source_shard_id: str,
+        keys: Sequence[bytes],
+        fingerprint: str,
+        *,
+        deadline_s: float,
+        lease_ttl_s: float = PULL_LEASE_TTL_S,
+    ) -> PullReply:
+        """Like ``ShardClient.pull``."""
+        req = pull_request(self.shard_id, source_shard_id, keys, fingerprint, deadline_s, lease_ttl_s)
+        ref = self.handle.pull.remote(_ENC.encode(req))
+        raw = await _aget(ref, deadline_s + PULL_REPLY_GRACE_S, f"shard {self.shard_id}.pull")
+        return _decode(raw, PullReply)
+
+
+def pull_request(
+    target_shard_id: str,
+    source_shard_id: str,
+    keys: Sequence[bytes],
+    fingerprint: str,
+    deadline_s: float,
+    lease_ttl_s: float,
+) -> PullRequest:
+    """A checked ``PullRequest`` (``ValueError`` on a request the shard would refuse; it checks again)."""
+    from kvpool.shard_pull import check_pull
+
+    req = PullRequest(source_shard_id, [bytes(k) for k in keys], fingerprint, float(deadline_s), float(lease_ttl_s))
+    check_pull(target_shard_id, req)
+    return req
+
 
 class ShardEventSource:
     """A shard's event stream for ``kvpool.directory.DirectorySync`` (async, deadline-bounded)."""
@@ -439,6 +558,9 @@ class ShardHandle(msgspec.Struct, frozen=True):
 
     def event_source(self) -> ShardEventSource:
         return ShardEventSource(self.actor, self.shard_id)
+
+    def async_client(self) -> AsyncShardClient:
+        return AsyncShardClient(self.actor, self.shard_id)
 
 
 def alive_nodes(include: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:

@@ -6,10 +6,13 @@ drive it directly with an injected clock.
 
 Life of a block:
 1. ``reserve(n)`` hands out up to ``n`` DRAM slots (fewer when DRAM is full of leased/reserved blocks) that expire
-   after ``reservation_ttl_s``. The writer fills them (a NIXL write into the arena, or a local copy).
+   after ``reservation_ttl_s``. The writer fills them (a client's NIXL write into the arena, the shard's own read
+   from a peer shard in a ``pull`` (``kvpool.shard_pull``), or a local copy).
 2. ``commit(reservation_id, keys, checksums, fingerprint)`` recomputes each block's checksum over the arena bytes;
    matching blocks become visible (an event ``STORED``), mismatching ones are dropped and counted. Slots not
-   committed go back to the free list. ``abort`` or expiry returns every slot: nothing of it is ever visible.
+   committed go back to the free list (``slot_index`` commits keys from chosen slots, not the leading ones).
+   ``abort`` or expiry returns every slot: nothing of it is ever visible. ``held(keys)`` says per key whether it is
+   visible (no side effects).
 3. ``lookup(keys, fingerprint)`` answers how many leading keys are held, and in which tier, with no side effects
    (no LRU touch, no sweep). An entry of another layout fingerprint is a miss.
 4. ``lease(keys, fingerprint, ttl_s)`` pins the longest available prefix and returns where each block lies in the
@@ -237,11 +240,24 @@ class BlockStore:
         return Reservation(rid, slots, offsets, self.config.slot_bytes, expires, self.config.reservation_ttl_s)
 
     def commit(
-        self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str
+        self,
+        reservation_id: int,
+        keys: Sequence[bytes],
+        checksums: Sequence[int],
+        fingerprint: str,
+        slot_index: Sequence[int] | None = None,
     ) -> CommitResult:
-        """Make ``keys[i]`` visible from reservation slot i if its arena bytes match ``checksums[i]``."""
+        """Make ``keys[i]`` visible from reservation slot i if its arena bytes match ``checksums[i]``.
+
+        ``slot_index[i]`` (distinct indices into the reservation's slots) says which slot holds ``keys[i]`` when the
+        keys are not the leading slots (a pull committing the blocks that arrived, around the ones that did not);
+        every slot not named is freed."""
         if len(keys) != len(checksums):
             raise ValueError(f"commit: {len(keys)} keys but {len(checksums)} checksums")
+        if slot_index is not None and len(slot_index) != len(keys):
+            raise ValueError(f"commit: {len(keys)} keys but {len(slot_index)} slot indices")
+        if slot_index is not None and len(set(slot_index)) != len(slot_index):
+            raise ValueError("commit: slot indices must be distinct")
         for k in keys:
             if len(k) != KEY_BYTES:
                 raise ValueError(f"commit: block keys are {KEY_BYTES} bytes, got {len(k)}")
@@ -252,16 +268,19 @@ class BlockStore:
         if res is None:
             err = f"unknown or expired reservation {reservation_id}"
             return CommitResult([], list(range(len(keys))), [], error=err)
-        if len(keys) > len(res.slots):
+        order = list(range(len(keys))) if slot_index is None else [int(j) for j in slot_index]
+        if len(keys) > len(res.slots) or any(not 0 <= j < len(res.slots) for j in order):
             self._reservations[reservation_id] = res
-            raise ValueError(f"commit: {len(keys)} keys for a reservation of {len(res.slots)} slots")
+            raise ValueError(f"commit: {len(keys)} keys (slot indices {order}) for a reservation of {len(res.slots)} "
+                             "slots")
         committed: list[int] = []
         rejected: list[int] = []
         duplicate: list[int] = []
-        to_free: list[int] = list(res.slots[len(keys) :])
+        named = set(order)
+        to_free: list[int] = [s for j, s in enumerate(res.slots) if j not in named]
         for i, (key, ck) in enumerate(zip(keys, checksums, strict=True)):
             key = bytes(key)
-            slot = res.slots[i]
+            slot = res.slots[order[i]]
             if key in self._entries:
                 duplicate.append(i)
                 to_free.append(slot)
@@ -296,6 +315,14 @@ class BlockStore:
         return True
 
     # ------------------------------------------------------------------ read path
+    def held(self, keys: Sequence[bytes], fingerprint: str) -> list[bool]:
+        """Per key (not a prefix): is it visible here under ``fingerprint``, in any tier. No side effects."""
+        out: list[bool] = []
+        for key in keys:
+            e = self._entries.get(bytes(key))
+            out.append(e is not None and e.fingerprint == fingerprint)
+        return out
+
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupResult:
         """Leading keys held under ``fingerprint``; no side effects on the store."""
         dram = ssd = 0

@@ -239,5 +239,9 @@ class Calibrator:
         }
         return dataclasses.replace(base, **updates) if updates else base
 
+    def transfer_counts(self) -> dict[str, int]:
+        """Accepted transfer observations per tier class."""
+        return {name: est.line.n for name, est in self._tiers.items()}
+
     def forget_replica(self, replica_id: str) -> None:
         self._mfu.pop(replica_id, None)

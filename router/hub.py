@@ -2,8 +2,9 @@
 
 Who calls what:
 - Each ``deployments.replica.VLLMReplica`` calls ``publish_replica(encoded ReplicaReport)`` every ~0.5 s: its
-  load and the delta of HBM block keys since its last report (``full=True``: a whole snapshot, sent first and
-  after any publish failure).
+  load, the delta of HBM block keys since its last report (``full=True``: a whole snapshot, sent first and
+  after any publish failure) and the pool fetches its connector finished since then (``TransferSample``, for the
+  routers' tier calibration; a snapshot carries none, so no fetch is counted twice).
 - Each ``router.ingress.OpenAIIngress`` replica calls ``poll(cursor)`` every ~0.1 s and applies the returned
   reports, in order, to its own ``router.index`` view. A cursor older than the hub's bounded log gets a snapshot
   (one full report per live replica) instead of deltas, so no reader ever applies a delta on top of a gap.
@@ -25,6 +26,16 @@ HUB_WIRE_VERSION = 1
 DEFAULT_HUB_NAME = "kvstack-cluster-view"
 
 
+class TransferSample(msgspec.Struct, frozen=True, array_like=True):
+    """One pool fetch a replica's connector finished: from which shard, whether the shard had to promote blocks
+    from SSD, and its cost end to end (lease + read). The routers fit their tier prices to these."""
+
+    shard_id: str
+    ssd: bool
+    bytes_moved: int
+    seconds: float
+
+
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     version: int = HUB_WIRE_VERSION
     replica_id: str
@@ -38,6 +49,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     full: bool = False  # stored is the replica's whole HBM key set
     sent_at: float = 0.0
     gone: bool = False  # the replica left (forgotten)
+    transfers: list[TransferSample] = []  # pool fetches finished since the previous report
 
 
 class PollReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,7 +86,8 @@ class HubState:
         last = self._last.pop(replica_id, None)
         self._keys.pop(replica_id, None)
         if last is not None:
-            self._log.append((self._next, msgspec.structs.replace(last, stored=[], removed=[], gone=True)))
+            gone = msgspec.structs.replace(last, stored=[], removed=[], gone=True, transfers=[])
+            self._log.append((self._next, gone))
             self._next += 1
 
     def poll(self, cursor: int, max_reports: int = 2048) -> PollReply:
@@ -86,7 +99,7 @@ class HubState:
 
     def snapshot(self) -> PollReply:
         reports = [
-            msgspec.structs.replace(last, stored=list(self._keys[rid]), removed=[], full=True)
+            msgspec.structs.replace(last, stored=list(self._keys[rid]), removed=[], full=True, transfers=[])
             for rid, last in self._last.items()
         ]
         return PollReply(cursor=self._next - 1, reports=reports, snapshot=True)

@@ -161,7 +161,8 @@ class OpenAIIngress:
 
     @app.get("/kvstack/status")
     async def status(self, decisions: int = 10) -> Response:
-        """Nodes, replicas (as this router sees them), pool shards and recent decisions (``kvstack status``)."""
+        """Nodes, replicas (as this router sees them), pool shards, the tier prices this router uses (calibrated or
+        configured) and recent decisions (``kvstack status``)."""
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
@@ -171,6 +172,7 @@ class OpenAIIngress:
                        "cpus": n.get("Resources", {}).get("CPU", 0.0)} for n in nodes if n["Alive"]],
             "replicas": self.view.replica_rows(),
             "shards": shards,
+            "tiers": self.view.calibration_rows(),
             "decisions": await self.view.all_decisions(decisions),
         })
 

@@ -7,7 +7,11 @@ Who calls what (all inside one ``router.ingress.OpenAIIngress`` replica, on its 
   ``router.policies.runner``). Replicas not heard from within ``replica_ttl_s`` are dropped by the index.
 - ``decide(request_id, token_ids)`` computes block keys (``kvpool.keys``) and builds a ``ClusterSnapshot``
   (per-replica HBM prefix, pool hits, load, calibrated hardware) and returns the ``Routed`` decision for the wire.
-- ``record_first_token`` records the actual TTFT (regret, calibration); ``request_done`` closes the assignment.
+- ``record_first_token`` records the actual TTFT (regret, MFU calibration); ``request_done`` closes the assignment.
+- Tier calibration: replica reports carry the pool fetches their connectors finished (``router.hub.TransferSample``);
+  each is classed as the policy prices it (DRAM/SSD × same/other node, the shard's node from the shard list) and
+  fed to ``Calibrator.observe_transfer``; once a class has enough samples the policy prices with the fitted
+  bandwidth and latency (``RoutingPolicy.update_tier_map``). Every router sees every replica's fetches.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import msgspec
 
 from configs import load_gpus, load_models, load_tiers, pick
 from kvpool.keys import BlockKey, chain_keys
-from router.calibration import Calibrator
+from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
 from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind, ReplicaSnapshot
@@ -32,7 +36,7 @@ from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
 from router.policies.base import ReplicaState, RouteRequest
-from router.policies.pricing import TierMap
+from router.policies.pricing import TierMap, tier_class
 from router.policies.runner import PolicyRunner, make_policy
 from router.wire import FetchPlanMsg, GenerateChunk, routing_root
 
@@ -71,12 +75,19 @@ class LiveView:
         self.metrics = RouterMetrics()
         self.registry = self.metrics.registry
         self.audit = AuditLog(settings.decision_log_size)
-        # The replicas' connector loads a leading prefix only (no "compute the head, load the tail" yet), so the
-        # live cost_based policy does not offer SPLIT; the simulator prices it.
-        options = {"allow_split": False} if settings.policy == "cost_based" else {}
+        # SPLIT runs as the replicas stage it (``deployments.split_staging``: head computed as a request of its own,
+        # tail pulled to the node meanwhile, then loaded on top of the cached head) and is priced that way
+        # (``split_staging``). Not for models with linear-attention state: the engine would need the head's state
+        # cached at the split boundary, which vLLM's hybrid prefix cache does not promise.
+        options = ({"allow_split": hardware.model.linear_state_bytes() == 0, "split_staging": True}
+                   if settings.policy == "cost_based" else {})
+        self.base_tier_map = tier_map  # configured prices; the calibrator replaces classes it has fitted
+        self.tier_map = tier_map
         policy = make_policy(settings.policy, rng=rng, tier_map=tier_map, **options)
         self.runner = PolicyRunner(policy, rng=rng, audit=self.audit, metrics=self.metrics)
         self.calibrator = Calibrator(bw_util=settings.bw_util)
+        self.transfers_unplaced = 0  # reported fetches from a shard this router does not know (yet): not used
+        self.metrics.set_tier_prices(self.tier_prices())
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
         self.loads: dict[str, ReplicaLoad] = {}
         self.key_root = routing_root(settings.served_model_name, settings.cache_salt)
@@ -128,6 +139,7 @@ class LiveView:
     def apply(self, reply: PollReply) -> None:
         """Apply hub reports in order (report seq n → event seqs 2n-1 removed, 2n stored)."""
         now = time.monotonic()
+        calibrate = False
         if reply.snapshot:
             for rid in list(self.loads):
                 if rid not in {r.replica_id for r in reply.reports}:
@@ -148,9 +160,48 @@ class LiveView:
                                                         prev.mean_ttft_s if prev else 0.0)
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
+            if report.transfers:
+                self._observe_transfers(report)
+                calibrate = True
+        if calibrate:
+            self._refresh_tier_map()
         self._cursor = reply.cursor
         if any(r.source_kind == "replica" for r in self.index.take_resync_requests()):
             self._cursor = -1  # the hub answers an impossible cursor with a full snapshot
+
+    def _observe_transfers(self, report: ReplicaReport) -> None:
+        """Feed the replica's finished pool fetches to the tier fits: the tier class is the one the policy priced
+        such a fetch with (DRAM or SSD, the shard on the replica's node or another)."""
+        for t in report.transfers:
+            shard = self._shards.get(t.shard_id)
+            if shard is None or t.bytes_moved <= 0 or t.seconds <= 0:
+                self.transfers_unplaced += 1
+                continue
+            cls = TIER_CLASSES[tier_class("ssd" if t.ssd else "dram", shard.node_id == report.node_id)]
+            self.calibrator.observe_transfer(cls, self.base_tier_map, t.bytes_moved, t.seconds)
+            self.metrics.observe_transfer(cls, t.bytes_moved)
+
+    def _refresh_tier_map(self) -> None:
+        """Price with the calibrated tiers from the next decision on (policies keep their own ``Pricer``)."""
+        tier_map = self.calibrator.tier_map(self.base_tier_map)
+        if tier_map != self.tier_map:
+            self.tier_map = tier_map
+            self.runner.policy.update_tier_map(tier_map)
+            self.metrics.set_tier_prices(self.tier_prices())
+
+    def tier_prices(self) -> dict[str, tuple[float, float]]:
+        """Per tier class: (bandwidth GB/s as priced — times ``bw_util`` —, latency s)."""
+        bw_util = self.settings.bw_util
+        return {cls: (getattr(self.tier_map, cls).bandwidth_gbps * bw_util, getattr(self.tier_map, cls).latency_s)
+                for cls in TIER_CLASSES}
+
+    def calibration_rows(self) -> list[dict[str, Any]]:
+        """What the cost model prices with now, per tier class, and from how many observed fetches."""
+        counts = self.calibrator.transfer_counts()
+        return [{"tier_class": cls, "tier": getattr(self.tier_map, cls).name, "bandwidth_gbps": round(gbps, 4),
+                 "latency_s": round(lat, 6), "observed": counts.get(cls, 0),
+                 "calibrated": getattr(self.tier_map, cls) is not getattr(self.base_tier_map, cls)}
+                for cls, (gbps, lat) in self.tier_prices().items()]
 
     def _apply_report(self, r: ReplicaReport) -> None:
         if r.full:
@@ -227,13 +278,7 @@ class LiveView:
     # -- deciding --------------------------------------------------------------------------------------------
     def decide(self, request_id: str, token_ids: list[int]) -> tuple[Routed, list[bytes]]:
         keys = chain_keys(self.key_root, token_ids, self.settings.block_size)
-        now = time.monotonic()
-        replicas = [
-            ReplicaState(replica_id=rid, node_id=load.node_id, running=load.running, waiting=load.waiting,
-                         queue_delay_s=self.queue_delay_s(rid, load), hbm_prefix_blocks=0,
-                         hw=self.calibrator.hardware(rid, self.hardware))
-            for rid, load in self.live_replicas(now).items()
-        ]
+        replicas = self.replica_states(time.monotonic())
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
             return Routed(None, None, "recompute", None, request_id), list(keys)
         request = RouteRequest(request_id, len(token_ids), self.settings.block_size, keys)
@@ -243,6 +288,16 @@ class LiveView:
             f = record.fetch
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
         return Routed(record, record.replica_id, str(record.action), plan, request_id), list(keys)
+
+    def replica_states(self, now: float) -> list[ReplicaState]:
+        """The live replicas as the policies see them (load, queue delay, calibrated hardware; HBM prefixes are
+        filled in per request by the index)."""
+        return [
+            ReplicaState(replica_id=rid, node_id=load.node_id, running=load.running, waiting=load.waiting,
+                         queue_delay_s=self.queue_delay_s(rid, load), hbm_prefix_blocks=0,
+                         hw=self.calibrator.hardware(rid, self.hardware))
+            for rid, load in self.live_replicas(now).items()
+        ]
 
     def queue_delay_s(self, replica_id: str, load: ReplicaLoad) -> float:
         """Predicted wait before this request's prefill: the replica's fitted fixed overhead plus one mean TTFT per

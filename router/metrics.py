@@ -6,7 +6,8 @@ and a test can scrape without a Ray metrics agent; the names and labels are the 
 
 Who calls what: ``PolicyRunner`` calls ``observe_decision`` for every decision and ``observe_actual`` when the
 actual TTFT arrives; the ingress calls ``observe_tpot`` per finished stream and ``set_replica_load`` when load
-reports arrive. The registry is injected (tests and the simulator use their own ``CollectorRegistry``).
+reports arrive; the live view calls ``observe_transfer`` per reported pool fetch and ``set_tier_prices`` when the
+calibrated tier prices change. The registry is injected (tests and the simulator use their own ``CollectorRegistry``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,23 @@ class RouterMetrics:
             "kvstack_router_replica_queue_delay_seconds", "Queue delay per replica, as last reported", ["replica"],
             registry=r,
         )
+        self.tier_bandwidth = Gauge(
+            "kvstack_router_tier_bandwidth_gbps",
+            "Pool tier bandwidth the cost model prices with (configured until calibrated from observed transfers)",
+            ["tier_class"], registry=r,
+        )
+        self.tier_latency = Gauge(
+            "kvstack_router_tier_latency_seconds", "Pool tier fixed latency the cost model prices with",
+            ["tier_class"], registry=r,
+        )
+        self.transfers = Counter(
+            "kvstack_router_observed_transfers", "Pool fetches the replicas reported, by tier class",
+            ["tier_class"], registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "kvstack_router_observed_transfer_bytes", "Bytes of the pool fetches the replicas reported",
+            ["tier_class"], registry=r,
+        )
         self.inflight = Gauge(
             "kvstack_router_inflight_assignments",
             "This router's assignments not yet reflected in the replica's load report (anti-herding)",
@@ -111,6 +129,16 @@ class RouterMetrics:
     def set_replica_load(self, replica_id: str, load: int, queue_delay_s: float) -> None:
         self.replica_load.labels(replica_id).set(load)
         self.replica_queue_delay.labels(replica_id).set(queue_delay_s)
+
+    def observe_transfer(self, tier_class: str, nbytes: int) -> None:
+        self.transfers.labels(tier_class).inc()
+        self.transfer_bytes.labels(tier_class).inc(nbytes)
+
+    def set_tier_prices(self, prices: dict[str, tuple[float, float]]) -> None:
+        """``tier_class -> (bandwidth GB/s as priced, i.e. times bw_util, latency seconds)``."""
+        for cls, (gbps, latency) in prices.items():
+            self.tier_bandwidth.labels(cls).set(gbps)
+            self.tier_latency.labels(cls).set(latency)
 
     def set_inflight(self, replica_id: str, count: int) -> None:
         self.inflight.labels(replica_id).set(count)

@@ -303,3 +303,135 @@ class FakeOpenAIServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# --- kvpool fakes (shard pull) ---
+# ``LoopbackEndpoint``: the ``TransferEndpoint`` interface over memory of this one process. Endpoints that share a
+# ``LoopbackFabric`` reach each other's registered buffers by agent name; a fabric can mark an agent dead (its ops
+# fail, like a dead peer) or fail chosen op indices of every call (a partial failure, as TCP can report).
+# ``StoreSource``: a pull source (``kvpool.shard_pull.PullSource``) over a real ``BlockStore`` of this process, with
+# its arena registered on a loopback endpoint; it can be dead (every call raises ``ShardDeadError``), frozen (every
+# call waits out its deadline, then raises ``ShardUnavailableError``) or refuse leases (``PullSourceError``).
+import threading as _p_threading
+import time as _p_time
+from collections.abc import Sequence as _PSequence
+
+from kvpool.store import BlockStore as _PBlockStore
+from kvpool.transfer.base import TRANSFER_WIRE_VERSION as _P_TRANSFER_WIRE_VERSION
+from kvpool.transfer.base import AgentMetadata as _PAgentMetadata
+from kvpool.transfer.base import BlockOp as _PBlockOp
+from kvpool.transfer.base import RegionDesc as _PRegionDesc
+from kvpool.transfer.base import TransferEndpoint as _PTransferEndpoint
+from kvpool.transfer.base import TransferResult as _PTransferResult
+
+
+class LoopbackFabric:
+    def __init__(self) -> None:
+        self.buffers: dict[str, list[memoryview]] = {}
+        self.dead: set[str] = set()
+        self.fail_ops: set[int] = set()
+
+
+class LoopbackEndpoint(_PTransferEndpoint):
+    backend = "loopback"
+
+    def __init__(self, fabric: LoopbackFabric, agent_name: str, epoch: str = "e1") -> None:
+        self.fabric = fabric
+        self.name = agent_name
+        self.epoch = epoch
+        self.peers: dict[str, _PAgentMetadata] = {}
+        self.reads = 0
+        fabric.buffers[agent_name] = []
+
+    def register(self, buffer: memoryview) -> int:
+        self.fabric.buffers[self.name].append(memoryview(buffer).cast("B"))
+        return len(self.fabric.buffers[self.name]) - 1
+
+    def metadata(self) -> _PAgentMetadata:
+        regions = [_PRegionDesc(i, len(b)) for i, b in enumerate(self.fabric.buffers[self.name])]
+        return _PAgentMetadata(_P_TRANSFER_WIRE_VERSION, self.backend, self.name, self.epoch, regions)
+
+    def add_peer(self, meta: _PAgentMetadata) -> None:
+        self.peers[meta.agent_name] = meta
+
+    def remove_peer(self, agent_name: str) -> None:
+        self.peers.pop(agent_name, None)
+
+    def _move(self, peer: str, ops: _PSequence[_PBlockOp], read: bool) -> _PTransferResult:
+        t0 = _p_time.monotonic()
+        if peer not in self.peers or peer in self.fabric.dead or peer not in self.fabric.buffers:
+            return _PTransferResult([], list(range(len(ops))), 0, _p_time.monotonic() - t0, f"peer {peer!r} is gone")
+        mine, theirs = self.fabric.buffers[self.name], self.fabric.buffers[peer]
+        moved = 0
+        failed = sorted(i for i in self.fabric.fail_ops if i < len(ops))
+        for i, op in enumerate(ops):
+            if i in self.fabric.fail_ops:
+                continue
+            src = theirs[op.remote_region] if read else mine[op.local_region]
+            dst = mine[op.local_region] if read else theirs[op.remote_region]
+            s_off, d_off = (op.remote_offset, op.local_offset) if read else (op.local_offset, op.remote_offset)
+            dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+            moved += op.length
+        ok = [i for i in range(len(ops)) if i not in self.fabric.fail_ops]
+        return _PTransferResult(ok, failed, moved, _p_time.monotonic() - t0, "injected" if failed else "")
+
+    def read(self, peer: str, ops: _PSequence[_PBlockOp], deadline_s: float) -> _PTransferResult:
+        self.reads += 1
+        return self._move(peer, ops, read=True)
+
+    def write(self, peer: str, ops: _PSequence[_PBlockOp], deadline_s: float) -> _PTransferResult:
+        return self._move(peer, ops, read=False)
+
+    def close(self) -> None:
+        self.fabric.buffers.pop(self.name, None)
+
+
+class StoreSource:
+    """A ``PullSource`` over a real ``BlockStore`` in this process (mode: "ok" | "dead" | "frozen" | "refuse")."""
+
+    def __init__(self, store: _PBlockStore, fabric: LoopbackFabric, epoch: str = "e1") -> None:
+        self.store = store
+        self.shard_id = store.shard_id
+        self.agent_name = f"kvpool-{store.shard_id}"
+        self.endpoint = LoopbackEndpoint(fabric, self.agent_name, epoch)
+        self.region_id = self.endpoint.register(store.arena.buffer)
+        self.mode = "ok"
+        self.leased: list[list[bytes]] = []  # keys of every lease asked for
+        self.released: list[int] = []
+        self.metadata_calls = 0
+        self._lock = _p_threading.Lock()
+
+    def _enter(self, deadline_s: float) -> None:
+        from kvpool.shard import ShardDeadError, ShardUnavailableError
+
+        if self.mode == "dead":
+            raise ShardDeadError(f"source shard {self.shard_id}: actor is dead (fake)")
+        if self.mode == "frozen":
+            _p_time.sleep(max(deadline_s, 0.0))
+            raise ShardUnavailableError(f"source shard {self.shard_id}: no answer within {deadline_s}s (fake)")
+
+    def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> object:
+        from kvpool.shard import LeaseReply
+        from kvpool.shard_pull import PullSourceError
+
+        self._enter(deadline_s)
+        if self.mode == "refuse":
+            raise PullSourceError(f"source shard {self.shard_id}.lease refused: ttl too long (fake)")
+        self.leased.append(list(keys))
+        with self._lock:
+            lease = self.store.lease(keys, fingerprint, ttl_s)
+        return LeaseReply(self.shard_id, self.store.epoch, self.agent_name, self.region_id, lease)
+
+    def release(self, lease_id: int, deadline_s: float) -> bool:
+        if self.mode in ("dead", "frozen"):
+            return False
+        self.released.append(lease_id)
+        with self._lock:
+            return self.store.release(lease_id)
+
+    def transfer_metadata(self, deadline_s: float) -> bytes:
+        from kvpool.transfer import encode_metadata
+
+        self._enter(deadline_s)
+        self.metadata_calls += 1
+        return encode_metadata(self.endpoint.metadata())

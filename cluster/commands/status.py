@@ -47,6 +47,12 @@ def render(status: dict[str, Any]) -> str:
     lines.append(f"pool shards ({len(status['shards'])}):")
     lines += [f"  {s['shard_id']:<14} node={s['node_id'][:12]}  dram_blocks={s['dram_blocks']} "
               f"ssd_blocks={s['ssd_blocks']}  leases={s.get('leases', 0)}" for s in status["shards"]]
+    tiers = status.get("tiers", [])
+    if tiers:
+        lines.append("pool tier prices (this router):")
+        lines += [f"  {t['tier_class']:<12} {t['bandwidth_gbps']:8.3f} GB/s  {t['latency_s'] * 1000:7.2f} ms  "
+                  f"{'calibrated' if t['calibrated'] else 'configured'} ({t['observed']} fetches seen; {t['tier']})"
+                  for t in tiers]
     lines.append(f"recent decisions ({len(status['decisions'])}):")
     for d in status["decisions"]:
         preds = "  ".join(f"{k}={v * 1000:.1f}ms" for k, v in sorted(d.get("predicted", {}).items()))

@@ -5,7 +5,8 @@ One interface, two implementations run against one conformance suite (``tests/in
 
 Who calls what:
 - A pool shard (``kvpool.shard``) creates an endpoint, registers its DRAM arena, and publishes ``metadata()``
-  through Ray (an actor method). It never initiates transfers.
+  through Ray (an actor method). It initiates transfers only when asked to ``pull`` blocks from a peer shard
+  (``kvpool.shard_pull``: it then reads from the peer into its own arena, like any client).
 - A client (the vLLM connector's worker side, a test actor, the transfer bench) creates its own endpoint,
   registers its destination/source memory, ``add_peer(shard_metadata)``, then ``read``/``write`` block ops.
 

@@ -30,6 +30,9 @@ class AlwaysFetch(RoutingPolicy):
         self._rng = rng
         self._pricer = Pricer(tier_map)
 
+    def update_tier_map(self, tier_map: TierMap) -> bool:
+        return self._pricer.set_tier_map(tier_map)
+
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
         replicas = cluster.replicas
         if not replicas:

@@ -20,7 +20,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from kvpool.keys import BlockKey
 from router.cost import Hardware
@@ -133,3 +133,9 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
         """Return candidates best-first; must not mutate inputs, do I/O or read clocks."""
+
+    def update_tier_map(self, tier_map: Any) -> bool:
+        """Price pool fetches with ``tier_map`` (a ``router.policies.pricing.TierMap``, e.g. calibrated from
+        observed transfers) from the next decision on; True if it changed anything. Policies that do not price
+        fetches ignore it."""
+        return False

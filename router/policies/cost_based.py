@@ -8,6 +8,10 @@ For replica r (queue q_r, HBM prefix h_r blocks) and a request of P tokens (bloc
     FETCH(x)   = q_r + q_x + lat_T + ((p_x − h_r)·bs·kv_bytes + state)/(BW_util·BW_T) + prefill(P, p_x·bs)
     SPLIT(x,k) = q_r + max(prefill(k·bs, h_r·bs), q_x + fetch((p_x − k)·bs)) + prefill(P, p_x·bs)
                  (compute the head while the tail arrives; k = the block where the two meet)
+                 With ``split_staging`` (default; what the replicas run: vLLM loads only leading prefixes) the tail
+                 is pulled to the replica's node shard while the head computes, then loaded on top of the cached
+                 head: + fetch_local((p_x − k)·bs), and k moves to where that sum is least
+                 (``HwCoeffs.split_staged``; a hit on the replica's own node has no pull: head, then load).
 
 Only the part of a pool prefix beyond the replica's own HBM prefix is fetched. Per replica only the useful hits are
 priced: the hits on its own node and, per storage tier, the cheapest hit on another node (all remote hits of one
@@ -51,6 +55,7 @@ _HOLDER, _FETCH, _RECOMPUTE, _SPLIT = 0, 1, 2, 3
 _ACTIONS = (Action.HOLDER, Action.FETCH, Action.RECOMPUTE, Action.SPLIT)
 _INF = float("inf")
 _RECOMPUTE_DESC = (_RECOMPUTE, -1, 0, 0, 0)
+_REMOTE = (DRAM_REMOTE, SSD_REMOTE)
 _by_ttft = attrgetter("predicted_ttft_s")
 _first = itemgetter(0)
 
@@ -76,16 +81,18 @@ class _Group:
     """Per request and hardware: the constants every replica of that hardware shares."""
 
     __slots__ = ("_opts", "_splits", "bs", "classes", "co", "fast", "hits", "local", "prompt", "recompute", "remote",
-                 "split")
+                 "split", "staged")
 
     def __init__(
-        self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float
+        self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float,
+        staged: bool = True,
     ) -> None:
         self.co = co
         self.prompt = prompt
         self.bs = bs
         self.hits = hits
         self.split = split
+        self.staged = staged
         self._opts: dict[tuple[int, str], list[tuple[float, Desc]]] = {}
         self._splits: dict[tuple[int, int, int], tuple[int, float] | None] = {}
         self.recompute = co.prefill(prompt, 0.0)
@@ -144,17 +151,28 @@ class _Group:
             limit = self.split * best
             lat, spb, state = co.lat, co.spb, co.state
             splits = self._splits
+            staged = self.staged
             for e in opts:
                 extra = self.hits[e[1]][0].queue_delay_s
-                # The overlap is at least the tail's fixed part (latency + state), so a SPLIT that cannot beat
-                # ``limit`` even with it is skipped unsolved (same floats: every step rounds monotonically).
-                if (lat[e[3]] + extra) + state * spb[e[3]] + e[4] > limit:
+                cls = e[3]
+                # A SPLIT costs at least the tail's fixed parts (latency + state), so one that cannot beat
+                # ``limit`` even with them is skipped unsolved (same floats: every step rounds monotonically).
+                if staged:
+                    pull_cls, load_cls = (cls, DRAM_LOCAL) if cls in _REMOTE else (-1, cls)
+                    floor = lat[load_cls] + state * spb[load_cls] + extra
+                    if pull_cls >= 0:
+                        floor += lat[cls] + state * spb[cls]
+                else:
+                    floor = (lat[cls] + extra) + state * spb[cls]
+                if floor + e[4] > limit:
                     continue
-                key = (e[1], e[3], hbt)
+                key = (e[1], cls, hbt)
                 if key in splits:
                     s = splits[key]
+                elif staged:
+                    s = splits[key] = co.split_staged(pull_cls, load_cls, hbt, e[2] * bs, bs, extra)
                 else:
-                    s = splits[key] = co.split(e[3], hbt, e[2] * bs, bs, extra)
+                    s = splits[key] = co.split(cls, hbt, e[2] * bs, bs, extra)
                 if s is not None and s[1] + e[4] <= limit:
                     out.append((s[1] + e[4], (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)))
         return out
@@ -171,6 +189,7 @@ class CostBased(RoutingPolicy):
         rng: random.Random | None = None,
         max_candidates: int = 8,
         allow_split: bool = True,
+        split_staging: bool = True,
         split_min_gain: float = 0.15,
         window_rel: float = 0.05,
         window_abs_s: float = 0.002,
@@ -184,11 +203,15 @@ class CostBased(RoutingPolicy):
         self._rng = rng
         self.max_candidates = max_candidates
         self.allow_split = allow_split
+        self.split_staging = split_staging
         self.split_min_gain = split_min_gain
         if window_rel < 0 or window_abs_s < 0:
             raise ValueError(f"candidate window must be >= 0, got {window_rel}, {window_abs_s}")
         self.window_rel = window_rel
         self.window_abs_s = window_abs_s
+
+    def update_tier_map(self, tier_map: TierMap) -> bool:
+        return self._pricer.set_tier_map(tier_map)
 
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:
         n = len(cluster.replicas)
@@ -220,7 +243,7 @@ class CostBased(RoutingPolicy):
         qs = [r.queue_delay_s for r in rs]
         hws = [r.hw for r in rs]
         hw0 = hws[0]
-        groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split)}
+        groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split, self.split_staging)}
         if hws.count(hw0) == n:  # one hardware: the fast class, except replicas on a node with a pool hit
             g0 = groups[id(hw0)]
             fast = g0.fast
@@ -244,7 +267,7 @@ class CostBased(RoutingPolicy):
                 if k not in cls_map:
                     g = groups.get(k[0])
                     if g is None:
-                        g = groups[k[0]] = _Group(pricer.coeffs(hw), prompt, bs, hits, split)
+                        g = groups[k[0]] = _Group(pricer.coeffs(hw), prompt, bs, hits, split, self.split_staging)
                     cls_map[k] = g.node_class(k[1])
             cls_list = [cls_map[k] for k in keys]
             costs = [q + c.cost for q, c in zip(qs, cls_list)]
@@ -327,7 +350,7 @@ class CostBased(RoutingPolicy):
                 cands.append(_candidate(rs[i], act_desc[a], act_cost[a], hits))
         cands.sort(key=_by_ttft)
         reason, extra = _explain(rs[first], desc(first), best, groups[id(hws[first])], prompt, bs, hits,
-                                 pricer.require_tiers(self.name))
+                                 pricer.require_tiers(self.name), self.split_staging)
         return Ranking(cands, reason=reason, extra=extra)
 
 
@@ -348,6 +371,7 @@ def _explain(
     bs: int,
     hits: Sequence[tuple[PoolHit, int]],
     tiers: TierMap,
+    staged: bool,
 ) -> tuple[str, dict[str, float]]:
     """The chosen candidate's formula with its values (Dynamo-selector style)."""
     co = g.co
@@ -392,6 +416,20 @@ def _explain(
     hbm_tokens = float(d[4] - (end - start) * bs)
     head_end = float(start * bs)
     head = co.prefill(head_end, hbm_tokens)
+    if staged:
+        pull = hit.queue_delay_s + co.fetch(cls_index, c - head_end) if not same else 0.0
+        load_cls = cls_index if same else DRAM_LOCAL
+        load = co.fetch(load_cls, c - head_end) + (hit.queue_delay_s if same else 0.0)
+        leg = (f"pull blocks [{start},{end}) from {where} to the node's shard {pull:.4f}" if not same
+               else f"nothing to pull ({where}) 0")
+        return (
+            (
+                f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
+                f"{head:.4f}, {leg}) + load blocks [{start},{end}) from the node's shard {load:.4f} + "
+                f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
+            ),
+            {"queue_s": q, "head_s": head, "fetch_s": pull, "load_s": load, "prefill_s": pre, "ttft_s": total},
+        )
     tail = hit.queue_delay_s + co.fetch(cls_index, c - head_end)
     return (
         (

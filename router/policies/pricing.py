@@ -15,6 +15,8 @@ against its ``router.cost`` counterpart):
     FETCH          = queue + shard_queue + fetch(pool − hbm) + prefill(P, pool)   (only the part beyond HBM moves)
     RECOMPUTE      = queue + prefill(P, 0)
     SPLIT          = queue + max(prefill(h, hbm), shard_queue + fetch(pool − h)) + prefill(P, pool)
+                     (the ideal overlap, ``split``; as the replicas run it, ``split_staged``, the tail is pulled to
+                     the replica's node while the head computes and then loaded: + fetch_local(pool − h))
 
 SPLIT's meeting point ``h`` (head compute == tail fetch) is the positive root of a quadratic (the closed form of
 ``cost.split_point``'s bisection, generalised to a replica that already holds ``hbm`` tokens), then rounded to a
@@ -154,6 +156,62 @@ class HwCoeffs:
         return best
 
 
+    def split_staged(
+        self, pull_cls: int, load_cls: int, hbm_tokens: float, prefix_tokens: float, block_size: int,
+        extra_latency_s: float,
+    ) -> tuple[int, float] | None:
+        """SPLIT as an engine that loads only leading prefixes can run it (``deployments.replica``): the replica
+        computes the head [hbm, k·bs) as a request of its own while the node's shard pulls the tail [k·bs, prefix)
+        from the hit's shard (class ``pull_cls``; -1: the hit is on the replica's node, nothing to pull), then the
+        request loads the tail from the node's shard (class ``load_cls``) on top of the cached head:
+
+            f(t) = max(H(t), T(t)) + R(t)      H = prefill(t, hbm), T = pull of the tail, R = load of the tail
+
+        (without a pull: f = H + R, the head computed and the tail loaded one after the other). For t below the
+        meeting point t* of H and T, f = T + R falls; above it f = H + R is convex with its minimum where
+        H'(t) = −R'(t), i.e. t_m = (kvb·spb_load − lin) / (2·quad). The best t is max(t*, t_m), clamped to the
+        interior boundaries and evaluated at the block boundaries around it and around t*. Returns (k, f) without the suffix prefill, or ``None`` when no
+        interior boundary (between FETCH at k = hbm/bs and no fetch at k = prefix/bs) exists."""
+        lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
+        h0, c = hbm_tokens, prefix_tokens
+        k0 = int(h0) // block_size
+        k_end = int(c) // block_size
+        if k_end - k0 < 2:
+            return None
+        l_spb = self.spb[load_cls]
+        l_lat = self.lat[load_cls] + (0.0 if pull_cls >= 0 else extra_latency_s)
+        if pull_cls >= 0:
+            p_lat = self.lat[pull_cls] + extra_latency_s
+            p_spb = self.spb[pull_cls]
+            b = lin + kvb * p_spb
+            cc = lin * h0 + quad * h0 * h0 + p_lat + (c * kvb + state) * p_spb
+            meet = 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
+        else:
+            p_lat = p_spb = 0.0
+            meet = h0
+        if quad > 0:
+            t_m = (kvb * l_spb - lin) / (2.0 * quad)
+        else:
+            t_m = c if kvb * l_spb > lin else h0
+        hh = h0 * h0
+        lo, hi = float((k0 + 1) * block_size), float((k_end - 1) * block_size)  # the interior boundaries
+        best: tuple[int, float] | None = None
+        for t_ref in (meet, meet if meet > t_m else t_m):
+            t_ref = lo if t_ref < lo else hi if t_ref > hi else t_ref
+            k = int(t_ref // block_size)
+            for kk in (k, k + 1):
+                if not k0 < kk < k_end:
+                    continue
+                t = kk * block_size
+                tail_bytes = (c - t) * kvb + state
+                head = lin * (t - h0) + quad * (t * t - hh)
+                pull = p_lat + tail_bytes * p_spb if pull_cls >= 0 else 0.0
+                total = (head if head > pull else pull) + l_lat + tail_bytes * l_spb
+                if best is None or total < best[1]:
+                    best = (kk, total)
+        return best
+
+
 class Pricer:
     """Caches ``HwCoeffs`` per ``Hardware`` object (by identity: replicas of one deployment share the object)."""
 
@@ -164,6 +222,14 @@ class Pricer:
     def __init__(self, tier_map: TierMap | None = None) -> None:
         self.tier_map = tier_map
         self._cache: dict[int, tuple[Hardware, HwCoeffs]] = {}
+
+    def set_tier_map(self, tier_map: TierMap) -> bool:
+        """Price with ``tier_map`` from now on (calibrated tiers); False if it equals the current one."""
+        if tier_map == self.tier_map:
+            return False
+        self.tier_map = tier_map
+        self._cache.clear()
+        return True
 
     def coeffs(self, hw: Hardware) -> HwCoeffs:
         entry = self._cache.get(id(hw))

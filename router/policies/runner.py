@@ -160,7 +160,8 @@ class PolicyRunner:
             if k > 1:
                 j = self._rng.randrange(k)
                 chosen = cands[j]
-                tie = f"random {j + 1} of {k} within {window * 1e3:.3f} ms of the best"
+                tie = (f"random {j + 1} of {k} within {window * 1e3:.3f} ms of the best: {chosen.action} on "
+                       f"{chosen.replica_id} (the reason explains the best)")
         replica = _find(view.replicas, chosen.replica_id)
         if replica is None:
             raise PolicyError(f"policy {self.policy_name!r} chose replica {chosen.replica_id!r}, not in the snapshot")

@@ -147,6 +147,70 @@ def test_prefix_fetched_from_the_pool_after_hbm_reset(server, client) -> None:
     assert raw.headers["x-kvstack-action"] == "fetch"
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens >= 128
+    # The replica reports the fetch's timing (lease + NIXL read) and the routers feed it to their tier fits.
+    deadline = time.monotonic() + 20
+    observed = 0
+    while time.monotonic() < deadline and observed == 0:
+        time.sleep(1.0)
+        tiers = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()["tiers"]
+        observed = sum(t["observed"] for t in tiers)
+    assert observed >= 1, f"no pool fetch timing reached the router: {tiers}"
+
+
+_SPLIT_SCRIPT = """
+import json, sys
+import ray
+from ray import serve
+from router.wire import ControlRequest, FetchPlanMsg, GenerateRequest, Sampling
+args = json.loads(sys.argv[1])
+ray.init(address=args["address"], namespace="kvstack", logging_level="ERROR", log_to_driver=False)
+handle = serve.get_deployment_handle("VLLMReplica", app_name="kvstack")
+req = GenerateRequest(request_id="split-e2e", prompt_token_ids=args["tokens"], sampling=Sampling(max_tokens=8,
+    temperature=0.0), target_replica=args["target"], action="split", fetch_plan=FetchPlanMsg(*args["plan"]),
+    stream=False)
+text, cached, ran_on = "", 0, set()
+for chunk in handle.options(stream=True).generate.remote(req):
+    text += chunk.text
+    cached = max(cached, chunk.cached_tokens)
+    ran_on.add(chunk.replica_id)
+info = handle.control.remote(ControlRequest(target_replica=args["target"], op="info")).result(timeout_s=60)
+print(json.dumps({"text": text, "cached": cached, "ran_on": sorted(ran_on), "split": info["split"]}))
+"""
+
+
+def test_split_plan_computes_the_head_and_loads_the_staged_tail(server, client) -> None:
+    """A SPLIT plan sent to the replica on the other node (straight through a Serve handle, as the ingress does):
+    the replica computes the head, its node's shard pulls the tail from the shard that holds it, the request loads
+    the tail on top of the cached head; the tokens equal a recomputation."""
+    import random
+
+    rng = random.Random(7)
+    tokens = [rng.randrange(100, 3000) for _ in range(128 * 6 + 37)]  # 6 full blocks of 128
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=tokens, max_tokens=8, temperature=0)
+    first = raw.parse()
+    computed_on = raw.headers["x-kvstack-replica"]
+    time.sleep(2.0)  # the connector's saves become shard events
+    reset = httpx.post(server["base"][:-3] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
+    assert all(r["ok"] for r in reset), reset
+    status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+    nodes = {r["replica_id"]: r["node_id"] for r in status["replicas"]}
+    source_node = nodes[computed_on]
+    source = next(s for s in status["shards"] if s["node_id"] == source_node)
+    target = next((rid for rid, node in nodes.items() if node != source_node), computed_on)
+    args = {"address": json.loads(server["state"].read_text())["ray_address"], "tokens": tokens, "target": target,
+            "plan": [source["shard_id"], source_node, "dram", 2, 6]}
+    out = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, json.dumps(args)], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ran_on"] == [target]
+    assert got["text"] == first.choices[0].text
+    assert got["cached"] >= 6 * 128, got  # head from the prefix cache + tail loaded: the whole prefix reused
+    split = got["split"]
+    # (the router may also have chosen SPLIT for other tests' requests on this replica: counts are cumulative)
+    assert split["splits"] >= 1 and split["heads_computed"] == split["splits"] and split["failures"] == 0, split
+    if nodes[target] != source_node:
+        assert split["blocks_pulled"] >= 4, split  # blocks [2, 6) staged on the target's node
 
 
 def test_two_routers_do_not_herd(server) -> None:

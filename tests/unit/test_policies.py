@@ -23,7 +23,7 @@ from router.policies.base import (
     RouteRequest,
     RoutingPolicy,
 )
-from router.policies.pricing import DRAM_REMOTE, SSD_LOCAL, HwCoeffs, Pricer, TierMap
+from router.policies.pricing import DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, HwCoeffs, Pricer, TierMap
 from router.policies.runner import (
     POLICIES,
     PolicyError,
@@ -549,3 +549,54 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
     assert got.keys() == brute.keys()
     for action, value in brute.items():
         assert got[action] == pytest.approx(value, rel=1e-9), action
+
+
+@pytest.mark.parametrize("prefix", [8, 64, 1024, 8192])
+@pytest.mark.parametrize("gbps,local_gbps", [(0.35, 50.0), (2.0, 5.0), (10.0, 0.5), (50.0, 50.0)])
+@pytest.mark.parametrize("hbm_blocks", [0, 3])
+@pytest.mark.parametrize("remote", [True, False])
+def test_staged_split_is_the_best_block_boundary(prefix: int, gbps: float, local_gbps: float, hbm_blocks: int,
+                                                 remote: bool) -> None:
+    """``split_staged``'s closed form picks the boundary a brute force over every interior block picks."""
+    hw = router_hw()
+    slow = TierSpec(name="slow", bandwidth_gbps=gbps, latency_s=0.003)
+    near = TierSpec(name="near", bandwidth_gbps=local_gbps, latency_s=0.001)
+    co = HwCoeffs(hw, TierMap(near, slow, near, slow))
+    bs, extra = 16, 0.002
+    pull_cls, load_cls = (DRAM_REMOTE, DRAM_LOCAL) if remote else (-1, DRAM_LOCAL)
+    h0, c = hbm_blocks * bs, prefix * bs
+
+    def f(k: int) -> float:
+        t = k * bs
+        tail = (c - t) * co.kvb + co.state
+        head = co.prefill(t, h0)
+        pull = co.lat[pull_cls] + extra + tail * co.spb[pull_cls] if remote else 0.0
+        load = co.lat[load_cls] + (0.0 if remote else extra) + tail * co.spb[load_cls]
+        return max(head, pull) + load
+
+    interior = range(hbm_blocks + 1, prefix)
+    got = co.split_staged(pull_cls, load_cls, h0, c, bs, extra)
+    if not interior:
+        assert got is None
+        return
+    assert got is not None
+    k, total = got
+    assert total == pytest.approx(f(k), rel=1e-12)
+    assert total <= min(f(j) for j in interior) * (1 + 1e-9)
+
+
+def test_staged_split_pays_for_loading_the_tail_again() -> None:
+    """The staged SPLIT (what the replicas run) costs more than the ideal overlap, by about the local load."""
+    hw = router_hw()
+    prompt = 8192
+    t_pre = cost.t_prefill(hw.model, hw.gpu, prompt, mfu=hw.mfu)
+    gbps = cost.fetch_bytes(hw.model, prompt) / t_pre / hw.bw_util / cost.GB
+    tm = dataclasses.replace(router_tier_map(), ssd_remote=TierSpec(name="nfs", bandwidth_gbps=gbps))
+    cluster = router_cluster(2, hits=(PoolHit("s7", "node-7", "ssd", 512),))
+    staged = _decide(tm, router_request(prompt), cluster, split_min_gain=0.0)
+    ideal = _decide(tm, router_request(prompt), cluster, split_min_gain=0.0, split_staging=False)
+    s, i = staged.candidates[0], ideal.candidates[0]
+    assert s.action is Action.SPLIT and i.action is Action.SPLIT, (staged.reason, ideal.reason)
+    assert i.predicted_ttft_s < s.predicted_ttft_s
+    assert "to the node's shard" in staged.reason and "load blocks" in staged.reason
+    assert "load blocks" not in ideal.reason

@@ -1,0 +1,400 @@
+"""Pull: a pool shard copies blocks from a peer shard into its own DRAM arena (the one transfer a shard initiates).
+
+Who calls what: ``PoolShard.pull`` (``kvpool.shard``) hands every ``PullRequest`` to its one ``Puller``; clients call
+``ShardClient.pull`` (sync) or ``AsyncShardClient.pull`` (async, on an event loop). Callers: the replica for the
+router's SPLIT action (the tail of a prefix is pulled into the shard on the replica's node while vLLM computes the
+head; vLLM's connector then loads it from that local shard), and anyone who wants blocks replicated onto a node.
+
+Mechanism, on the target shard (one actor thread per pull; the store lock is held only around store calls, never
+while a Ray call or a transfer waits):
+1. Keys this shard already holds under the fingerprint are skipped (``present``).
+2. The source is resolved by id (``named_shard_resolver``: the named actors of ``kvpool.shard_registry``) and cached
+   per id; a cached handle that turns out dead is dropped and resolved once more within the deadline.
+3. ``lease`` the rest on the source: it pins the longest prefix it holds; only that is pulled (the remainder is
+   ``missing``). The reply must come from the shard asked for, and every leased block must be exactly this shard's
+   slot size, else the pull is refused with an error (nothing reserved).
+4. ``reserve`` that many local slots (fewer when DRAM is full of pinned blocks: the rest ``failed``).
+5. Trust the source's transfer metadata (cached per agent name and source epoch; refetched when the source's epoch
+   changes or after a failed read, like the connector worker's ``_ensure_peer``), then ONE batched
+   ``endpoint.read`` from the leased offsets into the reserved slots with the time that is left.
+6. ``commit`` the blocks that arrived with the checksums the lease returned: the store recomputes each checksum over
+   the arena bytes (``kvpool.checksum``), so a block whose bytes do not match the source's checksum is rejected
+   (``failed``) and never becomes visible.
+7. Always (``finally``): abort the reservation if it was not committed, and release the source lease (sent even
+   when the deadline has passed, waited for at most the time that is left; the lease's TTL ends it otherwise).
+
+Deadlines: ``deadline_s`` bounds the whole pull (clamped to this store's reservation TTL, so the reserved slots
+cannot expire under a running read); every Ray call and the read get the time that is left. A dead, frozen or
+unknown source is a reply with ``failed`` = the blocks asked for and ``error`` set, within the deadline: never a
+hang and never an exception. An invalid request (target == source, empty fingerprint, a key of the wrong length, a
+non-positive deadline, a lease TTL shorter than the deadline) raises ``ValueError`` (``check_pull``).
+
+Known limits: the first resolution of a source lists the GCS's named actors on a helper thread, waited for with
+the deadline (a hung GCS keeps that one thread waiting, not the pull). A lease whose reply came too late stays
+pinned on the source until its TTL. Bytes of a read that was cancelled at its deadline are undefined (see
+``kvpool.transfer.nixl``); those slots go back to the free list and whoever fills them next commits with checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import ray
+
+from kvpool.keys import KEY_BYTES
+from kvpool.shard import (
+    _ENC,
+    AckReply,
+    LeaseReply,
+    LeaseRequest,
+    PullReply,
+    PullRequest,
+    ReleaseRequest,
+    ShardDeadError,
+    ShardUnavailableError,
+    WireVersionError,
+    _decode,
+    _get,
+)
+from kvpool.shard_registry import SHARD_PREFIX
+from kvpool.store import BlockStore
+from kvpool.transfer.base import BlockOp, StaleMetadataError, TransferEndpoint, decode_metadata
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+PULL_COUNTERS = (
+    "pulls",  # pull requests served (valid ones)
+    "pull_errors",  # pulls whose reply carried an error
+    "pulled_blocks",  # committed by pulls
+    "pull_failed_blocks",
+    "pull_present_blocks",
+    "pull_missing_blocks",
+    "pull_bytes",  # bytes read from sources
+)
+
+
+class PullSourceError(RuntimeError):
+    """The source shard answered a pull's call with an error (e.g. a lease TTL above its maximum)."""
+
+
+class PullSource(Protocol):
+    """What a pull needs from its source shard. Every call is bounded by ``deadline_s`` (seconds from now) and
+    raises ``ShardUnavailableError`` / ``PullSourceError`` on failure."""
+
+    shard_id: str
+
+    def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> LeaseReply: ...
+
+    def release(self, lease_id: int, deadline_s: float) -> bool:
+        """Send the release; wait at most ``deadline_s`` (<= 0: do not wait) for its answer. Never raises."""
+        ...
+
+    def transfer_metadata(self, deadline_s: float) -> bytes: ...
+
+
+Resolver = Callable[[str], PullSource]
+
+
+def check_pull(target_shard_id: str, req: PullRequest) -> None:
+    """Refuse a request that can never succeed (``ValueError``); the client checks before sending, the shard again."""
+    if not req.source_shard_id:
+        raise ValueError("pull: empty source shard id")
+    if req.source_shard_id == target_shard_id:
+        raise ValueError(f"pull: source and target are the same shard {target_shard_id!r}; a shard cannot pull from "
+                         "itself")
+    if not req.fingerprint:
+        raise ValueError("pull: empty layout fingerprint")
+    if not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
+        raise ValueError(f"pull: deadline_s must be a positive number of seconds, got {req.deadline_s}")
+    if not (math.isfinite(req.lease_ttl_s) and req.lease_ttl_s >= req.deadline_s):
+        raise ValueError(f"pull: lease_ttl_s ({req.lease_ttl_s}) must cover deadline_s ({req.deadline_s})")
+    for k in req.keys:
+        if len(k) != KEY_BYTES:
+            raise ValueError(f"pull: block keys are {KEY_BYTES} bytes, got {len(k)}")
+
+
+# ---------------------------------------------------------------------------------------------- the source side
+class ActorSource:
+    """A source shard reached through its Ray actor handle (typed, versioned, deadline-bounded calls)."""
+
+    def __init__(self, handle: Any, shard_id: str) -> None:
+        self.handle = handle
+        self.shard_id = shard_id
+
+    def _get(self, ref: Any, deadline_s: float, what: str) -> bytes:
+        try:
+            return _get(ref, max(deadline_s, 0.0), f"source shard {self.shard_id}.{what}")
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise PullSourceError(f"source shard {self.shard_id}.{what} refused: {cause}") from exc
+
+    def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> LeaseReply:
+        ref = self.handle.lease.remote(_ENC.encode(LeaseRequest(keys, fingerprint, ttl_s)))
+        return _decode(self._get(ref, deadline_s, "lease"), LeaseReply)
+
+    def release(self, lease_id: int, deadline_s: float) -> bool:
+        ref = self.handle.release.remote(_ENC.encode(ReleaseRequest(lease_id)))
+        if deadline_s <= 0:
+            return False  # sent; Ray delivers it in order after the lease
+        try:
+            return _decode(self._get(ref, deadline_s, "release"), AckReply).ok
+        except (ShardUnavailableError, PullSourceError, WireVersionError) as exc:
+            log.warning("pull: release of lease %d on %s: %s (the lease expires on its own)", lease_id,
+                        self.shard_id, exc)
+            return False
+
+    def transfer_metadata(self, deadline_s: float) -> bytes:
+        return self._get(self.handle.transfer_metadata.remote(), deadline_s, "transfer_metadata")
+
+
+def named_shard_resolver(namespace: str) -> Resolver:
+    """Shard id → ``ActorSource`` through the named actors ``kvstack-pool-<node id>`` of ``namespace``; the shard id is
+    the node id or its first 12 characters (``kvpool.shard_registry`` / ``deployments.pool_setup``). Raises
+    ``ShardUnavailableError`` when no such actor lives."""
+
+    def resolve(shard_id: str) -> PullSource:
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] != namespace or not name.startswith(SHARD_PREFIX):
+                continue
+            node_id = name[len(SHARD_PREFIX) :]
+            if shard_id not in (node_id, node_id[:12]):
+                continue
+            try:
+                return ActorSource(ray.get_actor(name, namespace=namespace), shard_id)
+            except ValueError:  # died between listing and lookup
+                continue
+        raise ShardUnavailableError(f"unknown source shard {shard_id!r}: no live actor {SHARD_PREFIX}<node id> for it "
+                                    f"in namespace {namespace!r}")
+
+    return resolve
+
+
+# ---------------------------------------------------------------------------------------------- the target side
+@dataclass
+class _Tally:
+    """Outcome of one pull; ``failed`` is whatever was asked for and is neither present, pulled nor missing."""
+
+    requested: int
+    present: int = 0
+    pulled: int = 0
+    missing: int = 0
+    bytes_moved: int = 0
+    read_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return self.requested - self.present - self.pulled - self.missing
+
+
+class Puller:
+    """The pull mechanism of one shard (see the module docstring). Thread-safe: pulls may run concurrently."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        lock: threading.Lock,
+        endpoint: TransferEndpoint | None,
+        region_id: int,
+        resolve: Resolver,
+        *,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._lock = lock  # the shard's store lock
+        self.endpoint = endpoint
+        self.region_id = region_id
+        self._resolve = resolve
+        self._clock = clock
+        self._cache_lock = threading.Lock()  # guards the caches and counters below, never held while waiting
+        self._sources: dict[str, PullSource] = {}
+        self._peer_epochs: dict[str, str] = {}  # source agent name -> source epoch whose metadata we hold
+        self._agents: dict[str, str] = {}  # source shard id -> its agent name
+        self._counters = dict.fromkeys(PULL_COUNTERS, 0)
+        self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pull-resolve-{store.shard_id}")
+
+    def counters(self) -> dict[str, int]:
+        with self._cache_lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+
+    def pull(self, req: PullRequest) -> PullReply:
+        check_pull(self.store.shard_id, req)
+        t0 = self._clock()
+        deadline = t0 + min(req.deadline_s, self.store.config.reservation_ttl_s)
+        keys = [bytes(k) for k in req.keys]
+        with self._lock:
+            held = self.store.held(keys, req.fingerprint)
+        todo = [k for k, h in zip(keys, held, strict=True) if not h]
+        t = _Tally(requested=len(keys), present=len(keys) - len(todo))
+        if todo:
+            if self.endpoint is None:
+                t.errors.append(f"shard {self.store.shard_id} has no transfer endpoint (backend 'none'): "
+                                "it cannot pull")
+            else:
+                self._pull(req, todo, deadline, t)
+        reply = PullReply(
+            shard_id=self.store.shard_id, epoch=self.store.epoch, requested=t.requested, present=t.present,
+            pulled=t.pulled, failed=t.failed, missing=t.missing, bytes_moved=t.bytes_moved,
+            seconds=self._clock() - t0, error="; ".join(t.errors), read_seconds=t.read_seconds,
+        )
+        with self._cache_lock:
+            c = self._counters
+            c["pulls"] += 1
+            c["pull_errors"] += bool(reply.error)
+            c["pulled_blocks"] += reply.pulled
+            c["pull_failed_blocks"] += reply.failed
+            c["pull_present_blocks"] += reply.present
+            c["pull_missing_blocks"] += reply.missing
+            c["pull_bytes"] += reply.bytes_moved
+        if reply.error:
+            log.warning("shard %s: pull of %d block(s) from %s: %d pulled, %d failed: %s", self.store.shard_id,
+                        reply.requested, req.source_shard_id, reply.pulled, reply.failed, reply.error)
+        return reply
+
+    def _pull(self, req: PullRequest, todo: list[bytes], deadline: float, t: _Tally) -> None:
+        def remaining() -> float:
+            return deadline - self._clock()
+
+        assert self.endpoint is not None  # checked by the caller
+        src_id = req.source_shard_id
+        source: PullSource | None = None
+        lease_id = 0
+        reservation_id: int | None = None
+        try:
+            source, rep = self._lease(req, todo, remaining)
+            lease_id = rep.lease.lease_id
+            blocks = rep.lease.blocks
+            if rep.shard_id != src_id:
+                t.errors.append(f"source {src_id!r} resolved to a shard that calls itself {rep.shard_id!r}")
+                return
+            t.missing = len(todo) - len(blocks)
+            slot = self.store.config.slot_bytes
+            wrong = sorted({b.length for b in blocks if b.length != slot})
+            if wrong:
+                t.errors.append(f"slot size mismatch: source shard {src_id} serves {wrong}-byte blocks, shard "
+                                f"{self.store.shard_id} has {slot}-byte slots; refusing to pull")
+                return
+            if not blocks:
+                return
+            with self._lock:
+                res = self.store.reserve(len(blocks))
+            if res.slots:
+                reservation_id = res.reservation_id
+            if len(res.slots) < len(blocks):
+                t.errors.append(f"DRAM of shard {self.store.shard_id} full of pinned blocks: reserved "
+                                f"{len(res.slots)} of {len(blocks)} slots")
+                blocks = blocks[: len(res.slots)]
+            if not blocks:
+                return
+            self._ensure_peer(source, rep.agent_name, rep.epoch, remaining())
+            if remaining() <= 0:
+                t.errors.append(f"deadline of {req.deadline_s}s expired before the read")
+                return
+            ops = [BlockOp(rep.region_id, b.offset, self.region_id, off, b.length)
+                   for b, off in zip(blocks, res.offsets, strict=False)]
+            t_read = self._clock()
+            result = self.endpoint.read(rep.agent_name, ops, remaining())
+            t.read_seconds = self._clock() - t_read
+            t.bytes_moved += result.bytes_moved
+            if result.failed:
+                t.errors.append(f"read of {len(result.failed)} block(s) from {src_id} failed: {result.error}")
+                self._forget(src_id)
+            ok = sorted(result.ok)
+            if not ok:
+                return
+            with self._lock:
+                out = self.store.commit(res.reservation_id, [blocks[i].key for i in ok],
+                                        [blocks[i].checksum for i in ok], req.fingerprint, slot_index=ok)
+            reservation_id = None
+            t.pulled += len(out.committed)
+            t.present += len(out.duplicate)  # committed meanwhile by another writer
+            if out.error:
+                t.errors.append(f"commit: {out.error}")
+            elif out.rejected:
+                t.errors.append(f"{len(out.rejected)} block(s) did not match the checksum source {src_id} leased "
+                                "them with: not committed")
+        except (ShardUnavailableError, PullSourceError, StaleMetadataError, WireVersionError) as exc:
+            t.errors.append(str(exc))
+            self._forget(src_id)
+        except Exception as exc:  # a bug must not take the request down: report it and log the traceback
+            log.exception("shard %s: pull from %s failed", self.store.shard_id, src_id)
+            t.errors.append(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            if reservation_id is not None:
+                with self._lock:
+                    self.store.abort(reservation_id)
+            if lease_id and source is not None:
+                try:
+                    source.release(lease_id, remaining())
+                except Exception:  # noqa: BLE001 - the lease expires on its own
+                    log.exception("shard %s: releasing lease %d on %s", self.store.shard_id, lease_id, src_id)
+
+    def _lease(self, req: PullRequest, todo: list[bytes], remaining: Callable[[], float]
+               ) -> tuple[PullSource, LeaseReply]:
+        """Lease ``todo`` on the source; a cached source whose actor is dead (restarted) is resolved again once."""
+        for attempt in (0, 1):
+            source, cached = self._source(req.source_shard_id, remaining())
+            try:
+                return source, source.lease(todo, req.fingerprint, req.lease_ttl_s, remaining())
+            except ShardUnavailableError as exc:
+                self._forget(req.source_shard_id)
+                if not (cached and not attempt and isinstance(exc, ShardDeadError) and remaining() > 0):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _source(self, shard_id: str, deadline_s: float) -> tuple[PullSource, bool]:
+        """(source, came from the cache)."""
+        with self._cache_lock:
+            src = self._sources.get(shard_id)
+        if src is not None:
+            return src, True
+        if deadline_s <= 0:
+            raise ShardUnavailableError(f"deadline expired before source shard {shard_id!r} was resolved")
+        fut = self._resolver.submit(self._resolve, shard_id)
+        try:
+            src = fut.result(timeout=deadline_s)
+        except FutureTimeout as exc:
+            fut.cancel()
+            raise ShardUnavailableError(f"resolving source shard {shard_id!r}: no answer within {deadline_s:.3f}s"
+                                        ) from exc
+        with self._cache_lock:
+            self._sources[shard_id] = src
+        return src, False
+
+    def _ensure_peer(self, source: PullSource, agent_name: str, epoch: str, deadline_s: float) -> None:
+        """Trust the source's current transfer metadata (refetched when the source restarted)."""
+        assert self.endpoint is not None
+        with self._cache_lock:
+            if self._peer_epochs.get(agent_name) == epoch:
+                return
+        if deadline_s <= 0:
+            raise ShardUnavailableError(f"deadline expired before the transfer metadata of {source.shard_id} came")
+        meta = decode_metadata(source.transfer_metadata(deadline_s))
+        if meta.agent_name != agent_name:
+            raise StaleMetadataError(f"source shard {source.shard_id}: transfer metadata of agent {meta.agent_name!r},"
+                                     f" its lease names {agent_name!r}")
+        self.endpoint.add_peer(meta)
+        with self._cache_lock:
+            self._peer_epochs[agent_name] = epoch
+            self._agents[source.shard_id] = agent_name
+
+    def _forget(self, shard_id: str) -> None:
+        """Drop the cached handle and peer epoch of a source that failed; the next pull resolves and re-adds it."""
+        with self._cache_lock:
+            self._sources.pop(shard_id, None)
+            agent = self._agents.pop(shard_id, None)
+            if agent is not None:
+                self._peer_epochs.pop(agent, None)
