@@ -56,10 +56,11 @@ def test_load_is_running_plus_waiting() -> None:
     assert _load(empty) == 0.0
 
 
-def test_target_first_then_least_loaded() -> None:
+def test_target_alone_even_when_busiest() -> None:
+    """Serve retries the one offered replica (with backoff) until it accepts: never another one while it lives."""
     reps = [FakeRunningReplica("a", running=1), FakeRunningReplica("b", running=9),
             FakeRunningReplica("c", waiting=4), FakeRunningReplica("d")]
-    assert choose(reps, pending(greq("b"))) == [["b"], ["d", "a", "c"]]  # honoured even when busiest
+    assert choose(reps, pending(greq("b"))) == [["b"]]
 
 
 def test_target_gone_falls_back_to_least_loaded() -> None:
@@ -84,8 +85,10 @@ def test_equal_load_ties_are_broken_at_random() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 16])
-def test_every_candidate_is_ranked_exactly_once(n: int) -> None:
+def test_without_a_live_target_every_candidate_is_ranked_exactly_once(n: int) -> None:
     reps = [FakeRunningReplica(f"r{i}", running=i % 3) for i in range(n)]
-    for target in (None, "r0", f"r{n - 1}", "gone"):
+    for target in (None, "gone"):
         flat = [x for rank in choose(reps, pending(greq(target))) for x in rank]
         assert sorted(flat) == sorted(r.replica_id.unique_id for r in reps)
+    for target in ("r0", f"r{n - 1}"):
+        assert choose(reps, pending(greq(target))) == [[target]]
