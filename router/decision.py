@@ -13,6 +13,7 @@ JSON without hand-written converters; candidates and fetch plans are the policy 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -76,20 +77,33 @@ class AuditLog:
         self.maxlen = maxlen
         self._records: deque[DecisionRecord] = deque()
         self._by_id: dict[str, DecisionRecord] = {}
+        self._unexplained: dict[int, Callable[[], str]] = {}  # id(record) -> its reason, not formatted yet
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def add(self, record: DecisionRecord) -> None:
+    def add(self, record: DecisionRecord, explain: Callable[[], str] | None = None) -> None:
+        """Keep ``record``; ``explain``: its reason, formatted only when the record is read (``record.reason`` is
+        filled in then; formatting it costs more than the rest of a decision)."""
         if len(self._records) >= self.maxlen:
             old = self._records.popleft()
+            self._unexplained.pop(id(old), None)
             if self._by_id.get(old.request_id) is old:
                 del self._by_id[old.request_id]
         self._records.append(record)
         self._by_id[record.request_id] = record
+        if explain is not None:
+            self._unexplained[id(record)] = explain
+
+    def _explained(self, record: DecisionRecord) -> DecisionRecord:
+        explain = self._unexplained.pop(id(record), None)
+        if explain is not None:
+            record.reason = explain()
+        return record
 
     def get(self, request_id: str) -> DecisionRecord | None:
-        return self._by_id.get(request_id)
+        record = self._by_id.get(request_id)
+        return None if record is None else self._explained(record)
 
     def record_actual(self, request_id: str, actual_ttft_s: float) -> DecisionRecord | None:
         """Attach the actual TTFT to the request's record; ``None`` if it already left the log."""
@@ -101,10 +115,15 @@ class AuditLog:
     def recent(self, n: int | None = None) -> list[DecisionRecord]:
         """The newest ``n`` records (all if ``None``), oldest first."""
         if n is None or n >= len(self._records):
-            return list(self._records)
-        if n <= 0:
+            records = list(self._records)
+        elif n <= 0:
             return []
-        return list(self._records)[-n:]
+        else:
+            records = list(self._records)[-n:]
+        if self._unexplained:
+            for r in records:
+                self._explained(r)
+        return records
 
     def to_json(self, n: int | None = None) -> bytes:
         """The newest ``n`` records as a JSON array."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from kvpool.keys import BlockKey
@@ -108,13 +108,43 @@ class Candidate:
     note: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Ranking:
-    """A policy's answer: candidates best-first (the first is chosen) and a one-line reason with its numbers."""
+Explanation = Callable[[], tuple[str, dict[str, float]]]
 
-    candidates: Sequence[Candidate]
-    reason: str = ""
-    extra: dict[str, float] = field(default_factory=dict)
+
+class Ranking:
+    """A policy's answer: candidates best-first (the first is chosen) and a one-line reason with its numbers.
+
+    A policy whose reason is costly to format (``cost_based``: a formula with a dozen numbers, a third of a
+    decision's time) passes ``explain`` instead: it runs once, when ``reason`` or ``extra`` is first read (the
+    runner hands it to the audit log, which reads it only when somebody reads the record)."""
+
+    __slots__ = ("_explain", "_extra", "_reason", "candidates")
+
+    def __init__(self, candidates: Sequence[Candidate], reason: str = "", extra: dict[str, float] | None = None,
+                 *, explain: Explanation | None = None) -> None:
+        self.candidates = candidates
+        self._reason = reason
+        self._extra = extra if extra is not None else {}
+        self._explain = explain
+
+    @property
+    def explained(self) -> bool:
+        return self._explain is None
+
+    def _resolve(self) -> None:
+        explain, self._explain = self._explain, None
+        if explain is not None:
+            self._reason, self._extra = explain()
+
+    @property
+    def reason(self) -> str:
+        self._resolve()
+        return self._reason
+
+    @property
+    def extra(self) -> dict[str, float]:
+        self._resolve()
+        return self._extra
 
 
 class NoReplicasError(ValueError):

@@ -349,9 +349,9 @@ class CostBased(RoutingPolicy):
             if i >= 0 and (i, a) not in chosen:
                 cands.append(_candidate(rs[i], act_desc[a], act_cost[a], hits))
         cands.sort(key=_by_ttft)
-        reason, extra = _explain(rs[first], desc(first), best, groups[id(hws[first])], prompt, bs, hits,
-                                 pricer.require_tiers(self.name), self.split_staging)
-        return Ranking(cands, reason=reason, extra=extra)
+        args = (rs[first], desc(first), best, groups[id(hws[first])], prompt, bs, hits, pricer.require_tiers(self.name),
+                self.split_staging)
+        return Ranking(cands, explain=lambda: _explain(*args))  # formatted only when somebody reads it
 
 
 def _candidate(r: ReplicaState, d: Desc, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:

@@ -169,8 +169,8 @@ class HwCoeffs:
 
         (without a pull: f = H + R, the head computed and the tail loaded one after the other). For t below the
         meeting point t* of H and T, f = T + R falls; above it f = H + R is convex with its minimum where
-        H'(t) = −R'(t), i.e. t_m = (kvb·spb_load − lin) / (2·quad). The best t is max(t*, t_m), clamped to the
-        interior boundaries and evaluated at the block boundaries around it and around t*. Returns (k, f) without the suffix prefill, or ``None`` when no
+        H'(t) = −R'(t), i.e. t_m = (kvb·spb_load − lin) / (2·quad). The best t is max(t*, t_m); f is unimodal, so
+        the best interior block boundary is one of the two around it (clamped to the interior). Returns (k, f) without the suffix prefill, or ``None`` when no
         interior boundary (between FETCH at k = hbm/bs and no fetch at k = prefix/bs) exists."""
         lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
         h0, c = hbm_tokens, prefix_tokens
@@ -194,21 +194,21 @@ class HwCoeffs:
         else:
             t_m = c if kvb * l_spb > lin else h0
         hh = h0 * h0
-        lo, hi = float((k0 + 1) * block_size), float((k_end - 1) * block_size)  # the interior boundaries
+        # f falls up to t* and is convex after it: unimodal, so the best block boundary is next to the optimum.
+        t_opt = meet if meet > t_m else t_m
+        k = int(t_opt // block_size)
+        k = k0 + 1 if k <= k0 else k_end - 1 if k >= k_end else k  # interior (k + 1 too, unless it is k_end)
         best: tuple[int, float] | None = None
-        for t_ref in (meet, meet if meet > t_m else t_m):
-            t_ref = lo if t_ref < lo else hi if t_ref > hi else t_ref
-            k = int(t_ref // block_size)
-            for kk in (k, k + 1):
-                if not k0 < kk < k_end:
-                    continue
-                t = kk * block_size
-                tail_bytes = (c - t) * kvb + state
-                head = lin * (t - h0) + quad * (t * t - hh)
-                pull = p_lat + tail_bytes * p_spb if pull_cls >= 0 else 0.0
-                total = (head if head > pull else pull) + l_lat + tail_bytes * l_spb
-                if best is None or total < best[1]:
-                    best = (kk, total)
+        for kk in (k, k + 1):
+            if kk >= k_end:
+                break
+            t = kk * block_size
+            tail_bytes = (c - t) * kvb + state
+            head = lin * (t - h0) + quad * (t * t - hh)
+            pull = p_lat + tail_bytes * p_spb if pull_cls >= 0 else 0.0
+            total = (head if head > pull else pull) + l_lat + tail_bytes * l_spb
+            if best is None or total < best[1]:
+                best = (kk, total)
         return best
 
 

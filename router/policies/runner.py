@@ -7,6 +7,9 @@ Who calls what:
 - When the request's first token arrives: ``runner.record_actual(request_id, ttft_s)`` (fills in regret and
   prediction error, acknowledges the assignment). When a load report that already counts a request arrives:
   ``runner.acknowledge(request_id)`` (or ``acknowledge_replica`` for everything decided before a report).
+- A policy may explain its choice lazily (``Ranking(explain=...)``): the record's ``reason`` is then filled in
+  when the record is read from the audit log (formatting it costs a third of a decision); without an audit log it
+  stays empty (the simulator never reads it).
 - ``make_policy(name, **ctx)`` builds a policy by name; ``ctx`` may carry ``rng`` and ``tier_map`` (passed to
   policies that take them) and policy options.
 
@@ -177,7 +180,7 @@ class PolicyRunner:
             predicted_ttft_s=chosen.predicted_ttft_s,
             best_predicted_ttft_s=best_pred,
             alternatives=tuple(cands),
-            reason=ranking.reason,
+            reason=ranking.reason if ranking.explained else "",
             prompt_tokens=request.prompt_tokens,
             block_size=request.block_size,
             hbm_tokens=max(0, chosen.reused_tokens - fetched),
@@ -190,7 +193,7 @@ class PolicyRunner:
             self._track(request.request_id, replica, chosen.predicted_ttft_s - replica.queue_delay_s, now)
         record.decision_latency_s = self._timer() - t0
         if self.audit is not None:
-            self.audit.add(record)
+            self.audit.add(record, None if ranking.explained else lambda: ranking.reason)
         if self.metrics is not None:
             self.metrics.observe_decision(record)
         return record

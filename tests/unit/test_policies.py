@@ -551,7 +551,7 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
         assert got[action] == pytest.approx(value, rel=1e-9), action
 
 
-@pytest.mark.parametrize("prefix", [8, 64, 1024, 8192])
+@pytest.mark.parametrize("prefix", [2, 4, 5, 8, 64, 1024, 8192])
 @pytest.mark.parametrize("gbps,local_gbps", [(0.35, 50.0), (2.0, 5.0), (10.0, 0.5), (50.0, 50.0)])
 @pytest.mark.parametrize("hbm_blocks", [0, 3])
 @pytest.mark.parametrize("remote", [True, False])
@@ -581,6 +581,7 @@ def test_staged_split_is_the_best_block_boundary(prefix: int, gbps: float, local
         return
     assert got is not None
     k, total = got
+    assert k in interior
     assert total == pytest.approx(f(k), rel=1e-12)
     assert total <= min(f(j) for j in interior) * (1 + 1e-9)
 
