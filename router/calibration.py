@@ -11,7 +11,9 @@ The fits are the cost model's own lines (``router.cost``):
     transfer seconds ≈ latency  + bytes / (BW_util · BW_tier)                   → slope gives BW, intercept latency
 fitted by exponentially weighted least squares (``OnlineLine``, half-life in observations) with outlier rejection
 (a residual beyond ``outlier_k`` × the EW mean absolute residual is dropped, unless several in a row are: then the
-hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values stand.
+hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values stand;
+when the observations cannot separate the intercept from the slope (similar sizes), the configured latency stands
+and only the bandwidth is fitted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class OnlineLine:
         "_res_s",
         "_res_w",
         "decay",
+        "fallback_intercept",
         "max_rejects",
         "min_obs",
         "n",
@@ -47,12 +50,16 @@ class OnlineLine:
         "w",
     )
 
-    def __init__(self, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0, max_rejects: int = 3):
+    def __init__(self, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0, max_rejects: int = 3,
+                 fallback_intercept: float = 0.0):
         if halflife <= 0 or min_obs < 2 or outlier_k <= 0 or max_rejects < 1:
             raise ValueError(
                 f"need halflife > 0, min_obs >= 2, outlier_k > 0, max_rejects >= 1; got {halflife}, {min_obs}, "
                 f"{outlier_k}, {max_rejects}"
             )
+        if fallback_intercept < 0 or not math.isfinite(fallback_intercept):
+            raise ValueError(f"fallback_intercept must be finite and >= 0, got {fallback_intercept}")
+        self.fallback_intercept = fallback_intercept
         self.decay = 0.5 ** (1.0 / halflife)
         self.min_obs = min_obs
         self.outlier_k = outlier_k
@@ -94,7 +101,9 @@ class OnlineLine:
         return True
 
     def fit(self) -> tuple[float, float] | None:
-        """``(a, b)``; with (nearly) constant x the line is forced through the origin. ``None`` if no data."""
+        """``(a, b)``. With (nearly) constant x, or when the free fit is not a line with a >= 0 and b > 0, the
+        intercept is held at ``fallback_intercept`` (the configured value: x alone cannot tell it from the slope) and only
+        the slope is fitted; through the origin if even that leaves no positive slope. ``None`` if no data."""
         if self.w <= 0 or self.sx == 0:
             return None
         den = self.w * self.sxx - self.sx * self.sx
@@ -103,7 +112,11 @@ class OnlineLine:
             a = (self.sy - b * self.sx) / self.w
             if a >= 0 and b > 0:
                 return a, b
-        # Degenerate spread or a negative intercept: fit y = b·x through the origin.
+        a = self.fallback_intercept
+        if a > 0:
+            b = (self.sxy - a * self.sx) / self.sxx
+            if b > 0:
+                return a, b
         b = self.sxy / self.sxx
         return (0.0, b) if b > 0 else None
 
@@ -157,7 +170,9 @@ class TierEstimator:
             raise ValueError(f"bw_util must be in (0, 1], got {bw_util}")
         self.base = tier
         self.bw_util = bw_util
-        self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k)
+        # Fetches of similar sizes cannot separate latency from bandwidth: then the configured latency stands.
+        self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k,
+                               fallback_intercept=tier.latency_s)
         self._tier = tier
 
     def observe(self, nbytes: float, seconds: float) -> bool:

@@ -99,3 +99,22 @@ def test_calibrator_updates_hardware_and_tier_map() -> None:
         cal.observe_transfer("tape", base, 1.0, 1.0)
     cal.forget_replica("r0")
     assert cal.hardware("r0", hw) is hw
+
+
+def test_tier_fit_keeps_the_configured_latency_when_sizes_cannot_separate_it() -> None:
+    """Fetches that all have about the same size: the free fit is noise (here its slope is negative); the fitted
+    tier keeps the configured latency and takes the bandwidth from the rest of the time."""
+    base = TierSpec(name="loopback", bandwidth_gbps=2.5, latency_s=0.005)
+    est = TierEstimator(base, bw_util=0.7, min_obs=5)
+    # ~1 MB fetches taking 5 ms + 1 MB at 0.1 GB/s (10 ms), sizes and times jittered.
+    for nbytes, seconds in [(1.00e6, 0.0152), (1.02e6, 0.0148), (0.99e6, 0.0151), (1.01e6, 0.0149), (1.0e6, 0.015)]:
+        est.observe(nbytes, seconds)
+    spec = est.tier_spec()
+    assert spec.latency_s == pytest.approx(0.005)
+    assert spec.bandwidth_gbps * 0.7 == pytest.approx(0.1, rel=0.05)
+    # Faster than the configured latency alone: the line goes through the origin instead.
+    fast = TierEstimator(base, bw_util=0.7, min_obs=5)
+    for k in range(5):
+        fast.observe(1e6 * (1 + k * 0.001), 0.002)
+    assert fast.tier_spec().latency_s == 0.0
+    assert fast.tier_spec().bandwidth_gbps * 0.7 == pytest.approx(0.5, rel=0.05)
