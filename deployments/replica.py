@@ -118,6 +118,10 @@ def to_sampling_params(s: Sampling, *, stream: bool, kv_shard_hint: str | None =
         ignore_eos=s.ignore_eos,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        min_tokens=s.min_tokens,
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": {PLAN_PARAM: kv_shard_hint}} if kv_shard_hint else None,
     )

@@ -124,13 +124,38 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 MAX_LOGPROBS = 20  # vLLM's default ModelConfig.max_logprobs, which the replicas' engines run with
 
+# Request fields the ingress acts on (or that change nothing: ``user``, ``request_id``). Any other field of vLLM's
+# protocol models that a client sets to something other than its default would be silently ignored — a 400 instead.
+HANDLED_FIELDS = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
+    "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stream", "stream_options", "add_generation_prompt",
+    "tools", "echo", "user", "request_id",
+})
+
+
+def refuse_unsupported(req: Any) -> None:
+    """400 for the first field the client set (to a non-default value) that kvstack does not act on, e.g.
+    ``response_format``, ``logit_bias``, ``best_of``, beam search, structured outputs."""
+    fields = type(req).model_fields
+    for name in sorted(req.model_fields_set - HANDLED_FIELDS):
+        value = getattr(req, name, None)
+        info = fields.get(name)
+        default = info.get_default(call_default_factory=True) if info is not None else None
+        if value is None or value == default:
+            continue
+        raise ApiError(400, f"{name} is not supported by this endpoint; remove it (supported: "
+                            f"{', '.join(sorted(HANDLED_FIELDS - {'user', 'request_id'}))})",
+                       param=name, code="unsupported_parameter")
+
 
 def sampling_from(req: Any, max_tokens: int) -> Sampling:
-    """The wire ``Sampling`` of a validated request. vLLM's own request -> ``SamplingParams`` conversion runs here
-    first, so a value the engine would refuse (temperature < 0, n = 0, top_p = 0, ...) is a 400 at the ingress and
-    never a replica error."""
+    """The wire ``Sampling`` of a validated request. A field kvstack would ignore is a 400 (``refuse_unsupported``);
+    vLLM's own request -> ``SamplingParams`` conversion runs first, so a value the engine would refuse
+    (temperature < 0, n = 0, top_p = 0, ...) is a 400 at the ingress and never a replica error."""
     from vllm.exceptions import VLLMValidationError
 
+    refuse_unsupported(req)
     try:
         req.to_sampling_params(max_tokens, {})
     except (VLLMValidationError, ValueError, TypeError) as exc:
@@ -161,6 +186,10 @@ def sampling_from(req: Any, max_tokens: int) -> Sampling:
         ignore_eos=bool(getattr(req, "ignore_eos", False)),
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
+        top_k=int(req.top_k) if req.top_k is not None else 0,
+        min_p=float(req.min_p) if req.min_p is not None else 0.0,
+        repetition_penalty=float(req.repetition_penalty) if req.repetition_penalty is not None else 1.0,
+        min_tokens=int(req.min_tokens or 0),
     )
 
 

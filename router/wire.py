@@ -38,6 +38,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0  # 0: all tokens (vLLM's default)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):

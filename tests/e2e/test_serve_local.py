@@ -106,8 +106,12 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert "maximum context length" in str(too_long.value)
+    with pytest.raises(openai.BadRequestError) as unsupported:  # would be ignored: refused by name instead
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert unsupported.value.response.json()["error"]["param"] == "response_format"
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still there?"}],
-                                        max_tokens=3, temperature=0)
+                                        max_tokens=3, temperature=0, extra_body={"top_k": 5, "min_tokens": 3})
     assert ok.usage.completion_tokens == 3
 
 

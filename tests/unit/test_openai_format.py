@@ -411,3 +411,41 @@ def test_wrong_typed_fields_are_400_never_a_crash(chat_cls: type, completion_cls
             except Exception as exc:  # noqa: BLE001 - what the test is looking for
                 crashes.append((name, value, repr(exc)[:120]))
     assert crashes == []
+
+
+def test_extra_sampling_fields_reach_the_wire(chat_cls: type, completion_cls: type) -> None:
+    body = {"model": "m", "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 3, "max_tokens": 8}
+    for cls, extra in ((chat_cls, {"messages": USER}), (completion_cls, {"prompt": "hi"})):
+        s = ingest(cls, {**body, **extra})
+        assert (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens) == (40, 0.05, 1.1, 3)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"top_k": -7}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+])
+def test_bad_extra_sampling_values_are_400(chat_cls: type, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(fmt.ApiError) as err:
+        ingest(chat_cls, {"model": "m", "messages": USER, **extra})
+    assert err.value.status == 400 and param in err.value.message
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"11": 5}}, "logit_bias"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+])
+def test_fields_kvstack_would_ignore_are_refused_by_name(chat_cls: type, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(fmt.ApiError) as err:
+        ingest(chat_cls, {"model": "m", "messages": USER, **extra})
+    assert err.value.status == 400 and err.value.param == param and err.value.code == "unsupported_parameter"
+    assert "not supported" in err.value.message
+
+
+def test_unsupported_fields_at_their_defaults_or_null_are_fine(chat_cls: type, completion_cls: type) -> None:
+    """Clients (LangChain and co.) send nulls and defaults for fields they do not use: that is not a request."""
+    ingest(chat_cls, {"model": "m", "messages": USER, "logit_bias": None, "response_format": None,
+                      "use_beam_search": False, "user": "alice", "parallel_tool_calls": True})
+    ingest(completion_cls, {"model": "m", "prompt": "hi", "logit_bias": None, "suffix": None, "user": "bob"})
