@@ -9,6 +9,8 @@ Who calls what:
 - With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
   (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
   ``collective_rpc(kvpool.connector.drain_transfer_records)``; the routers calibrate their tier prices with them.
+- After a request's first token, the pool blocks of the prefix the engine reused are touched in this node's shard
+  (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
   first has its head computed and its tail staged on this node (``deployments.split_staging``).
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
@@ -165,6 +167,7 @@ class VLLMReplica:
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
         self._local_shard: Any = None  # this node's pool shard (ShardHandle) when the pool is on
+        self.pool_touches = 0  # prefixes served from HBM whose pool blocks were refreshed
         self.split_stats = SplitStats()
         if pool is not None and not isinstance(pool, PoolSettings):
             pool = PoolSettings.model_validate(pool)
@@ -255,11 +258,12 @@ class VLLMReplica:
             params = to_sampling_params(request.sampling, stream=request.stream, kv_shard_hint=hint)
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
             async for out in self.engine.generate(prompt, params, request.request_id):
+                cached = out.num_cached_tokens or 0
                 if first:
                     self.waiting -= 1
                     self.running += 1
                     first = False
-                cached = out.num_cached_tokens or 0
+                    self._touch_pool_prefix(request, cached)
                 for comp in out.outputs:
                     yield GenerateChunk(
                         index=comp.index,
@@ -284,6 +288,18 @@ class VLLMReplica:
             if self._events is None:  # no engine events: record the prompt's blocks ourselves
                 with self.ledger.lock:
                     self.ledger.touch(list(request.block_keys))
+
+    def _touch_pool_prefix(self, request: GenerateRequest, cached_tokens: int) -> None:
+        """The engine reused ``cached_tokens`` of the prompt: refresh those blocks in this node's pool shard (where
+        this engine saved them), without waiting, so a prefix kept hot in HBM does not age out of the pool."""
+        n = min(cached_tokens // self.settings.block_size, len(request.block_keys))
+        if self.pool is None or self._local_shard is None or n <= 0:
+            return
+        try:
+            self._local_shard.async_client().touch_nowait(request.block_keys[:n], self._fingerprint)
+            self.pool_touches += 1
+        except Exception as exc:  # noqa: BLE001 - eviction order only
+            log.debug("replica %s: pool touch failed: %s", self.replica_id, exc)
 
     async def _plan_hint(self, request: GenerateRequest) -> str | None:
         """The pool shard the connector should look at first: the plan's (FETCH), or for a SPLIT the shard that
@@ -347,7 +363,7 @@ class VLLMReplica:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
                 "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
                 "kv_events_skipped": self._events.translator.skipped if self._events else 0,
-                "split": dataclasses.asdict(self.split_stats)}
+                "split": dataclasses.asdict(self.split_stats), "pool_touches": self.pool_touches}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""

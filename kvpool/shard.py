@@ -8,6 +8,8 @@ Who calls what:
   calls ``reserve``, writes the blocks with its own transfer endpoint into the shard's arena at the reserved
   offsets, then ``commit`` (or ``abort``). Its worker side ``add_peer``s ``transfer_metadata()`` and reads leased
   blocks at the returned offsets of ``region_id``.
+- A replica ``touch``es the pool blocks of a prefix its engine served from its own HBM (without waiting), so a
+  prefix that stays hot in HBM does not age out of the pool meanwhile.
 - A replica (the router's SPLIT action: fetch the tail while the head is computed) or an operator asks a shard to
   ``pull`` blocks from a peer shard (``ShardClient.pull`` / ``AsyncShardClient.pull``). This is the ONLY time a
   shard initiates a transfer: it leases the blocks on the source, reads them with its own endpoint into reserved
@@ -99,6 +101,14 @@ class LeaseRequest(msgspec.Struct, frozen=True, tag="lease"):
     keys: list[bytes]
     fingerprint: str
     ttl_s: float
+    version: int = POOL_WIRE_VERSION
+
+
+class TouchRequest(msgspec.Struct, frozen=True, tag="touch"):
+    """``keys`` were just used from an engine's own HBM: refresh them for eviction (``BlockStore.touch``)."""
+
+    keys: list[bytes]
+    fingerprint: str
     version: int = POOL_WIRE_VERSION
 
 
@@ -312,6 +322,12 @@ class PoolShard:
             lease = self.store.lease(req.keys, req.fingerprint, req.ttl_s)
         return _ENC.encode(LeaseReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, lease))
 
+    def touch(self, raw: bytes) -> int:
+        """``TouchRequest`` → how many of its keys are held here (callers usually do not wait for it)."""
+        req = _decode(raw, TouchRequest)
+        with self._lock:
+            return self.store.touch(req.keys, req.fingerprint)
+
     def release(self, raw: bytes) -> bytes:
         req = _decode(raw, ReleaseRequest)
         with self._lock:
@@ -438,6 +454,9 @@ class ShardClient:
     def release(self, lease_id: int) -> bool:
         return _decode(self._call("release", _ENC.encode(ReleaseRequest(lease_id))), AckReply).ok
 
+    def touch(self, keys: Sequence[bytes], fingerprint: str) -> int:
+        return int(self._call("touch", _ENC.encode(TouchRequest([bytes(k) for k in keys], fingerprint))))
+
     def reserve(self, n: int) -> ReserveReply:
         return _decode(self._call("reserve", _ENC.encode(ReserveRequest(n))), ReserveReply)
 
@@ -496,6 +515,10 @@ class AsyncShardClient:
     def __init__(self, handle: Any, shard_id: str) -> None:
         self.handle = handle
         self.shard_id = shard_id
+
+    def touch_nowait(self, keys: Sequence[bytes], fingerprint: str) -> None:
+        """Send a ``TouchRequest`` and do not wait for it (a lost touch only ages a hot block a little sooner)."""
+        self.handle.touch.remote(_ENC.encode(TouchRequest([bytes(k) for k in keys], fingerprint)))
 
     async def pull(
         self,

@@ -30,13 +30,14 @@ class ShardRef:
     actor: Any
 
     async def stats_async(self, deadline_s: float = 5.0) -> dict[str, Any]:
-        """Blocks per tier and lease count, for ``kvstack status``."""
+        """Blocks per tier, lease count and the store's counters (hits, evictions, pulls, touches, ...), for
+        ``kvstack status``."""
         from kvpool.store import StoreStats
 
         raw = await asyncio.wait_for(self.actor.stats.remote(), timeout=deadline_s)
         stats = msgspec.msgpack.decode(raw, type=StoreStats)
         return {"dram_blocks": stats.dram.blocks, "ssd_blocks": stats.ssd.blocks, "leases": stats.leases,
-                "slot_bytes": stats.slot_bytes}
+                "slot_bytes": stats.slot_bytes, "counters": dict(stats.counters)}
 
 
 def list_shards(namespace: str = SHARD_NAMESPACE) -> list[ShardRef]:

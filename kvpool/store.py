@@ -191,6 +191,7 @@ COUNTER_NAMES = (
     "leases_expired",
     "reservations_expired",
     "aborts",
+    "touched",
 )
 
 
@@ -322,6 +323,20 @@ class BlockStore:
             e = self._entries.get(bytes(key))
             out.append(e is not None and e.fingerprint == fingerprint)
         return out
+
+    def touch(self, keys: Sequence[bytes], fingerprint: str) -> int:
+        """Mark the held ``keys`` (under ``fingerprint``, in whichever tier) as just used, for eviction: a prefix an
+        engine keeps serving from its own HBM is never leased, and would otherwise age out of the pool while it is
+        hot. Moves nothing between tiers; returns how many keys were held."""
+        n = 0
+        for key in keys:
+            e = self._entries.get(bytes(key))
+            if e is None or e.fingerprint != fingerprint:
+                continue
+            self._policy[e.tier].touch(e.key)
+            n += 1
+        self._count("touched", n)
+        return n
 
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupResult:
         """Leading keys held under ``fingerprint``; no side effects on the store."""

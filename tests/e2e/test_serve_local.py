@@ -248,6 +248,8 @@ def test_status_lists_nodes_replicas_shards(server) -> None:
     assert len(status["replicas"]) == 2
     assert len(status["shards"]) == 2
     assert sum(s["dram_blocks"] + s["ssd_blocks"] for s in status["shards"]) > 0, "the connector saved blocks"
+    # Prefixes served from HBM (the second turn above) refresh their pool blocks in the replica's node shard.
+    assert sum(s.get("counters", {}).get("touched", 0) for s in status["shards"]) > 0, status["shards"]
     assert status["decisions"], "recent decisions are listed"
 
 

@@ -340,3 +340,27 @@ def test_events_describe_the_store(tier: TierPlacement, make_store, clock: FakeC
     expected = {k: {store.shard_id: t} for k, t in zip(snap.keys, snap.tiers, strict=True)}
     assert {k: d.locate(k) for k in snap.keys} == expected
     assert len(d) == len(snap.keys)
+
+
+def test_touched_blocks_outlive_untouched_ones(make_store, tmp_path: Path, clock: FakeClock) -> None:
+    """A prefix an engine keeps serving from HBM is touched, never leased: touch keeps it in the pool's DRAM."""
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=4), clock=clock)
+    hot, cold, new = keys_for(2, "hot"), keys_for(2, "cold"), keys_for(2, "new")
+    write_and_commit(store, hot, [0, 1])
+    write_and_commit(store, cold, [2, 3])
+    assert store.touch(hot + keys_for(1, "absent"), FP) == 2  # only held keys count
+    assert store.touch(hot, "other-layout") == 0
+    write_and_commit(store, new, [4, 5])  # evicts the least recently used two: cold, not hot
+    assert store.lookup(hot, FP).prefix == 2 and store.lookup(cold, FP).prefix == 0
+    assert store.counters["touched"] == 2
+    store.close()
+
+
+def test_without_touch_the_oldest_blocks_go_first(make_store, tmp_path: Path, clock: FakeClock) -> None:
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=4), clock=clock)
+    hot, cold, new = keys_for(2, "hot"), keys_for(2, "cold"), keys_for(2, "new")
+    write_and_commit(store, hot, [0, 1])
+    write_and_commit(store, cold, [2, 3])
+    write_and_commit(store, new, [4, 5])
+    assert store.lookup(hot, FP).prefix == 0 and store.lookup(cold, FP).prefix == 2
+    store.close()
