@@ -13,10 +13,13 @@ One request, at its arrival time t (requests are processed in arrival order, tie
 4. ``PolicyRunner.decide`` returns the action, replica and fetch plan; the simulator applies it:
    HBM reuse is what the replica holds (the engine's own prefix cache reuses it whatever the router says);
    FETCH moves blocks [max(start, hbm), end) over the tier ``TierMap`` names (same node or not);
-   SPLIT computes [hbm, start) while the tail [start, end) arrives;
+   SPLIT runs as the replicas run it (``deployments.split_staging``): the head [hbm, start) is computed while the
+   tail [start, end) is pulled to the replica's node, then the tail is loaded from the node's DRAM (a tail already
+   on the node is loaded after the head);
    service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``), FIFO per replica;
 5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
-   its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD.
+   its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD. With
+   ``pool_touch`` (default, as the replicas do) the blocks it reused from HBM are refreshed in its node's shard.
 
 Hit accounting is token-weighted over a trace's hash-id blocks, the last (partial) block included, so with
 unbounded caches and one replica the hit rate equals the trace's own bound (``bench.traces.prefix_reuse_bound``).
@@ -62,6 +65,7 @@ class SimConfig:
     pool_dram_tokens: float = 0.0
     pool_ssd_tokens: float = 0.0
     pool_write: PoolWrite = "computed"
+    pool_touch: bool = True  # HBM hits refresh the node shard's copies (``deployments.replica``)
     seed: int = 0
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     anti_herding: bool = False
@@ -94,6 +98,7 @@ class SimConfig:
             "pool_dram_tokens": cap(self.pool_dram_tokens),
             "pool_ssd_tokens": cap(self.pool_ssd_tokens),
             "pool_write": self.pool_write,
+            "pool_touch": self.pool_touch,
             "tiers": {
                 "dram_local": self.tier_map.dram_local.name,
                 "dram_remote": self.tier_map.dram_remote.name,
@@ -299,10 +304,16 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 hit[tier_key] += moved
                 shard.tier(plan.tier).touch(blocks[first:end])
                 if d.action == Action.SPLIT and first > hbm_blocks:
-                    # head [hbm, first) computed while the tail arrives; the head's KV is not a hit
+                    # head [hbm, first) computed while the tail is pulled to the node, then the tail loaded from
+                    # the node's shard (a tail on the node already: head, then load); the head's KV is not a hit
                     head = t_prefill(model, gpu, cum[first], mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[hbm_blocks])
                     prefill_gpu_s += head
-                    service = max(head, fetch_t)
+                    if same:
+                        service = head + fetch_t
+                    else:
+                        reload = t_fetch(model, tiers.tier("dram", True), moved, bw_util=hw.bw_util)
+                        fetch_s += reload
+                        service = max(head, fetch_t) + reload
                     head_blocks = first
                 else:
                     service = fetch_t
@@ -325,6 +336,10 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         heapq.heappush(rep.decodes, decode_end)
         makespan = max(makespan, decode_end)
         rep.hbm.admit(blocks, lengths)
+        if cluster.pool_enabled and config.pool_touch and hbm_blocks:
+            node_shard = cluster.shards[rep.shard_index]
+            node_shard.dram.touch(blocks[:hbm_blocks])
+            node_shard.ssd.touch(blocks[:hbm_blocks])
         if cluster.pool_enabled and config.pool_write != "none":
             if config.pool_write == "all":
                 new_blocks, new_tokens = blocks, lengths

@@ -81,6 +81,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-tokens", type=parse_tokens, default=0.0, help="pool DRAM per node (0 = no pool)")
     g.add_argument("--ssd-tokens", type=parse_tokens, default=0.0, help="pool SSD per node (0 = none)")
     g.add_argument("--pool-write", choices=["computed", "all", "none"], default="computed")
+    g.add_argument("--no-pool-touch", dest="pool_touch", action="store_false",
+                   help="HBM hits do not refresh the node shard's copies (the replicas do by default)")
     g.add_argument("--policy-option", type=parse_option, action="append", default=[], metavar="KEY=VALUE")
     g.add_argument("--anti-herding", action="store_true", help="let the runner add its in-flight assignments")
 
@@ -162,6 +164,7 @@ def run_policy_full(setup: SimSetup, args: argparse.Namespace, policy: str) -> t
         pool_dram_tokens=args.pool_tokens,
         pool_ssd_tokens=args.ssd_tokens,
         pool_write=args.pool_write,
+        pool_touch=args.pool_touch,
         seed=args.seed,
         policy_options=dict(args.policy_option),
         anti_herding=args.anti_herding,
