@@ -20,6 +20,8 @@ Life of a block:
    the SSD slot freed (event ``TIER_CHANGED``). DRAM blocks are verified too. A block that fails its checksum is
    removed (event ``REMOVED``), counted in ``kvstack_pool_checksum_failures_total`` and ends the prefix there:
    never data. Leased blocks are never demoted or evicted; ``release`` or expiry unpins them.
+   ``touch(keys, fingerprint)`` refreshes held blocks in their tier's eviction order without leasing them (a prefix
+   an engine serves from its own HBM is used without ever being leased).
 5. DRAM full (a reserve or a promotion needs slots) → the DRAM policy's unpinned victims are demoted to SSD
    (``TIER_CHANGED``); SSD full → the SSD policy's victims are evicted (``REMOVED``). Without an SSD tier, DRAM
    victims are evicted.
