@@ -531,30 +531,6 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _timeline_plot(series: dict[str, list[tuple[float, float]]], path: Path) -> Path:
-    """TTFT against send time, one marker series per policy: shows queues building up during a run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, pts in series.items():
-        if pts:
-            xs, ys = zip(*sorted(pts), strict=True)
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=0.8, label=label)
-    ax.set_xlabel("request sent at (s from run start)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("TTFT over the run")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def write_plots(agg: dict[str, Any], out: Path) -> list[str]:
     from bench import plots
 
@@ -566,7 +542,7 @@ def write_plots(agg: dict[str, Any], out: Path) -> list[str]:
     if hits:
         written.append(plots.hit_tokens_by_tier(hits, out / "hit_tokens_by_tier.png"))
     if agg.get("ttft_timeline"):
-        written.append(_timeline_plot(agg["ttft_timeline"], out / "ttft_over_time.png"))
+        written.append(plots.ttft_timeline(agg["ttft_timeline"], out / "ttft_over_time.png"))
     kept = []
     for p in written:
         if p.stat().st_size < PLOT_LIMIT_BYTES:

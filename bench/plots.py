@@ -2,7 +2,7 @@
 
 Each function takes plain data keyed by a series label (a policy, an endpoint) and writes one PNG; none reads
 files or result JSON itself. Called by ``bench.agent_cli``, ``bench.trace_cli``, ``bench.compare_cli`` and
-``bench.simulate_cli``.
+``bench.simulate_cli`` and ``bench.live_compare``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,17 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, ax: Any, path: Path, *, grid_axis: str = "both") -> Path:
+    """The common finish of every plot: light grid, a legend when anything is labelled, tight layout, PNG."""
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def ttft_cdf(series: Mapping[str, Sequence[float]], path: Path, *, title: str = "TTFT CDF") -> Path:
     """One empirical CDF line per label (x: TTFT seconds, log scale when the range is wide)."""
     plt = _plt()
@@ -39,13 +50,7 @@ def ttft_cdf(series: Mapping[str, Sequence[float]], path: Path, *, title: str = 
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def ttft_by_turn(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> Path:
@@ -64,13 +69,21 @@ def ttft_by_turn(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) 
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (band to p90), s")
     ax.set_title("TTFT by turn")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
+
+
+def ttft_timeline(series: Mapping[str, Sequence[tuple[float, float]]], path: Path) -> Path:
+    """TTFT against send time, one marker series per label: shows queues building up during a run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in series.items():
+        if pts:
+            xs, ys = zip(*sorted(pts), strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=0.8, label=label)
+    ax.set_xlabel("request sent at (s from run start)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT over the run")
+    return _save(plt, fig, ax, path)
 
 
 def grouped_bars(
@@ -89,13 +102,7 @@ def grouped_bars(
     ax.set_xticklabels(labels, rotation=15, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.grid(True, axis="y", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, grid_axis="y")
 
 
 def hit_tokens_by_tier(series: Mapping[str, Mapping[str, float]], path: Path) -> Path:

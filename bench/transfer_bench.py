@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from cluster.local_cluster import scoped_environ
+
 KIB = 1 << 10
 MIB = 1 << 20
 _RAW = struct.Struct("!cQ")  # bare-socket request: b"r"/b"w", byte count
@@ -354,68 +356,63 @@ def _ray_section(
     except ImportError as exc:
         return {"skipped": f"pool shard or ray not importable: {exc}"}
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "UCX_NET_DEVICES": "lo"}
-    saved = {k: os.environ.get(k) for k in (*env, "RAY_TMPDIR")}
     tmpdir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-    os.environ.update(env)
-    os.environ["RAY_TMPDIR"] = tmpdir
     cluster = None
     out: dict[str, Any] = {}
-    try:
-        t0 = time.monotonic()
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * MIB},
-        )
-        nodes = {}
-        for name, ip in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
-            node = cluster.add_node(
-                num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1}, object_store_memory=80 * MIB, wait=True
+    with scoped_environ({**env, "RAY_TMPDIR": tmpdir}):
+        try:
+            t0 = time.monotonic()
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * MIB},
             )
-            nodes[name] = node.node_id
-        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
-        out["cluster_start_s"] = round(time.monotonic() - t0, 1)
-        slot = max(block_sizes)
-        slots = max(1, region_bytes // slot)
-        handles = start_shards(
-            lambda node_id, node_ip: ShardConfig(
-                shard_id=f"bench-{node_ip}",
-                store=StoreConfig(slot_bytes=slot, dram_slots=slots),
-                backend="nixl",
-                nixl=NixlOptions(ucx_devices="lo"),
-            ),
-            include=lambda n: n.get("Resources", {}).get("node_a", 0) > 0,
-        )
-        try:
-            shard = handles[0]
-            client_cls = ray.remote(num_cpus=0)(_RayClient)
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            nodes = {}
+            for name, ip in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
+                node = cluster.add_node(
+                    num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1}, object_store_memory=80 * MIB,
+                    wait=True,
+                )
+                nodes[name] = node.node_id
+            ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+            out["cluster_start_s"] = round(time.monotonic() - t0, 1)
+            slot = max(block_sizes)
+            slots = max(1, region_bytes // slot)
+            handles = start_shards(
+                lambda node_id, node_ip: ShardConfig(
+                    shard_id=f"bench-{node_ip}",
+                    store=StoreConfig(slot_bytes=slot, dram_slots=slots),
+                    backend="nixl",
+                    nixl=NixlOptions(ucx_devices="lo"),
+                ),
+                include=lambda n: n.get("Resources", {}).get("node_a", 0) > 0,
+            )
+            try:
+                shard = handles[0]
+                client_cls = ray.remote(num_cpus=0)(_RayClient)
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            client = client_cls.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"], soft=False)
-            ).remote(shard.actor, slots, slot)
-            res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s), timeout=600)  # type: ignore[attr-defined]
-            out.update(res)
-            out["shard_node_ip"] = shard.node_ip
-            out["client_node_ip"] = "127.0.0.3"
+                client = client_cls.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"], soft=False)
+                ).remote(shard.actor, slots, slot)
+                res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s),  # type: ignore[attr-defined]
+                              timeout=600)
+                out.update(res)
+                out["shard_node_ip"] = shard.node_ip
+                out["client_node_ip"] = "127.0.0.3"
+            finally:
+                stop_shards(handles)
+        except Exception as exc:  # the other sections stay valid; say what failed
+            out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            stop_shards(handles)
-    except Exception as exc:  # the other sections stay valid; say what failed
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        try:
-            import ray
+            try:
+                import ray
 
-            ray.shutdown()
-        except Exception:
-            pass
-        if cluster is not None:
-            cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(tmpdir, ignore_errors=True)
+                ray.shutdown()
+            except Exception:
+                pass
+            if cluster is not None:
+                cluster.shutdown()
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return out
 
 

@@ -45,6 +45,22 @@ def prepare_environment(overrides: dict[str, str] | None = None) -> None:
         os.environ.setdefault(key, value)
 
 
+@contextmanager
+def scoped_environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block; afterwards each key is back to what it was (or unset again).
+    For code that starts a Ray cluster inside a longer-lived process (a test session, a benchmark)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

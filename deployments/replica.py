@@ -309,13 +309,18 @@ class VLLMReplica:
             return None
         if request.action != "split":
             return plan.shard_id
-        from kvpool.keys import chain_keys
-
         self.split_stats.splits += 1
         local = self._local_shard
+        # The router planned on the keys it sent (its pool hits are keyed the same way), so they are the pool's;
+        # a caller that sent none (an operator, a test) gets them computed here.
+        keys = list(request.block_keys)
+        if not keys:
+            from kvpool.keys import chain_keys
+
+            keys = [bytes(k) for k in chain_keys(self.key_root, request.prompt_token_ids, self.settings.block_size)]
         outcome = await stage_split(
             self.engine, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            pool_keys=[bytes(k) for k in chain_keys(self.key_root, request.prompt_token_ids, self.settings.block_size)],
+            pool_keys=keys,
             plan=plan, block_size=self.settings.block_size, node_id=self.node_id,
             local_shard=local.async_client() if local is not None else None,
             local_shard_id=local.shard_id if local is not None else "", fingerprint=self._fingerprint,

@@ -46,9 +46,8 @@ class DecisionRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         target = _target_of(pending_request)
-        ranked = sorted(candidate_replicas, key=lambda r: (_load(r), random.random()))
         if target is not None:
             chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if chosen:
                 return [chosen]
-        return [ranked]
+        return [sorted(candidate_replicas, key=lambda r: (_load(r), random.random()))]

@@ -454,9 +454,6 @@ class ShardClient:
     def release(self, lease_id: int) -> bool:
         return _decode(self._call("release", _ENC.encode(ReleaseRequest(lease_id))), AckReply).ok
 
-    def touch(self, keys: Sequence[bytes], fingerprint: str) -> int:
-        return int(self._call("touch", _ENC.encode(TouchRequest([bytes(k) for k in keys], fingerprint))))
-
     def reserve(self, n: int) -> ReserveReply:
         return _decode(self._call("reserve", _ENC.encode(ReserveRequest(n))), ReserveReply)
 

@@ -17,7 +17,6 @@ Run integration tests under the machine-wide lock:
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from cluster.local_cluster import scoped_environ
 
 WORKER_IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 NODE_NAMES = ("a", "b", "c")
@@ -71,32 +72,25 @@ def ray_cluster() -> Iterator[RayCluster]:
     from ray.cluster_utils import Cluster
 
     tmpdir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in (*CLUSTER_ENV, "RAY_TMPDIR")}
-    os.environ.update(CLUSTER_ENV)
-    os.environ["RAY_TMPDIR"] = tmpdir
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024 * 1024},
-    )
-    info = RayCluster(cluster, tmpdir)
-    try:
-        for name, ip in zip(NODE_NAMES, WORKER_IPS, strict=True):
-            node = cluster.add_node(
-                num_cpus=1,
-                node_ip_address=ip,
-                resources={f"node_{name}": 1},
-                object_store_memory=80 * 1024 * 1024,
-                wait=True,
-            )
-            info.nodes[name] = NodeInfo(name, ip, node.node_id)
-        ray.init(address=cluster.address, logging_level="warning")
-        yield info
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    with scoped_environ({**CLUSTER_ENV, "RAY_TMPDIR": tmpdir}):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024 * 1024},
+        )
+        info = RayCluster(cluster, tmpdir)
+        try:
+            for name, ip in zip(NODE_NAMES, WORKER_IPS, strict=True):
+                node = cluster.add_node(
+                    num_cpus=1,
+                    node_ip_address=ip,
+                    resources={f"node_{name}": 1},
+                    object_store_memory=80 * 1024 * 1024,
+                    wait=True,
+                )
+                info.nodes[name] = NodeInfo(name, ip, node.node_id)
+            ray.init(address=cluster.address, logging_level="warning")
+            yield info
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(tmpdir, ignore_errors=True)

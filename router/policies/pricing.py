@@ -122,6 +122,14 @@ class HwCoeffs:
             return 0.0
         return self.lat[cls_index] + (tokens * self.kvb + self.state) * self.spb[cls_index]
 
+    def _meeting_point(self, lat: float, spb: float, h0: float, c: float) -> float:
+        """Tokens t where computing [h0, t) takes as long as fetching [t, c) at (lat, spb): the positive root of
+        lin·(t − h0) + quad·(t² − h0²) = lat + ((c − t)·kvb + state)·spb."""
+        lin, quad, kvb = self.lin, self.quad, self.kvb
+        b = lin + kvb * spb
+        cc = lin * h0 + quad * h0 * h0 + lat + (c * kvb + self.state) * spb
+        return 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
+
     def split(
         self, cls_index: int, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
     ) -> tuple[int, float] | None:
@@ -131,9 +139,7 @@ class HwCoeffs:
         lat = self.lat[cls_index] + extra_latency_s
         spb = self.spb[cls_index]
         h0, c = hbm_tokens, prefix_tokens
-        b = lin + kvb * spb
-        cc = lin * h0 + quad * h0 * h0 + lat + (c * kvb + state) * spb
-        h = 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
+        h = self._meeting_point(lat, spb, h0, c)
         k0 = int(h0) // block_size
         k_end = int(c) // block_size
         k = int(h // block_size)
@@ -170,8 +176,9 @@ class HwCoeffs:
         (without a pull: f = H + R, the head computed and the tail loaded one after the other). For t below the
         meeting point t* of H and T, f = T + R falls; above it f = H + R is convex with its minimum where
         H'(t) = −R'(t), i.e. t_m = (kvb·spb_load − lin) / (2·quad). The best t is max(t*, t_m); f is unimodal, so
-        the best interior block boundary is one of the two around it (clamped to the interior). Returns (k, f) without the suffix prefill, or ``None`` when no
-        interior boundary (between FETCH at k = hbm/bs and no fetch at k = prefix/bs) exists."""
+        the best interior block boundary is one of the two around it (clamped to the interior). Returns (k, f)
+        without the suffix prefill, or ``None`` when no interior boundary (between FETCH at k = hbm/bs and no fetch
+        at k = prefix/bs) exists."""
         lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
         h0, c = hbm_tokens, prefix_tokens
         k0 = int(h0) // block_size
@@ -183,9 +190,7 @@ class HwCoeffs:
         if pull_cls >= 0:
             p_lat = self.lat[pull_cls] + extra_latency_s
             p_spb = self.spb[pull_cls]
-            b = lin + kvb * p_spb
-            cc = lin * h0 + quad * h0 * h0 + p_lat + (c * kvb + state) * p_spb
-            meet = 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
+            meet = self._meeting_point(p_lat, p_spb, h0, c)
         else:
             p_lat = p_spb = 0.0
             meet = h0

@@ -155,40 +155,38 @@ def start_named(cluster: RayCluster, namespace: str, store_for: dict[str, StoreC
                         namespace=namespace, ready_deadline_s=120.0)
 
 
+def running_shards(cluster: RayCluster, namespace: str, store_for: dict[str, StoreConfig], backend: str = "nixl"
+                   ) -> Iterator[Shards]:
+    """Body of the module fixtures: start the named shards, yield them, stop them."""
+    handles = start_named(cluster, namespace, store_for, backend=backend)
+    shards = Shards(cluster, handles, backend=backend)
+    yield shards
+    shards.close()
+    stop_shards(handles)
+
+
 @pytest.fixture(scope="module")
 def pool(ray_cluster: RayCluster) -> Iterator[Shards]:
-    handles = start_named(ray_cluster, NS, {
+    yield from running_shards(ray_cluster, NS, {
         "a": StoreConfig(slot_bytes=SLOT, dram_slots=96, reservation_ttl_s=60.0),
         "b": StoreConfig(slot_bytes=SLOT, dram_slots=96, reservation_ttl_s=60.0),
         "c": StoreConfig(slot_bytes=SLOT, dram_slots=16, reservation_ttl_s=60.0, verify_dram_on_lease=False),
     })
-    shards = Shards(ray_cluster, handles)
-    yield shards
-    shards.close()
-    stop_shards(handles)
 
 
 @pytest.fixture(scope="module")
 def faults(ray_cluster: RayCluster) -> Iterator[Shards]:
-    handles = start_named(ray_cluster, NS_FAULTS, {
+    yield from running_shards(ray_cluster, NS_FAULTS, {
         "a": StoreConfig(slot_bytes=SLOT, dram_slots=16, reservation_ttl_s=60.0),
         "b": StoreConfig(slot_bytes=SLOT // 2, dram_slots=16, reservation_ttl_s=60.0),
         "c": StoreConfig(slot_bytes=SLOT, dram_slots=16, reservation_ttl_s=60.0),
     })
-    shards = Shards(ray_cluster, handles)
-    yield shards
-    shards.close()
-    stop_shards(handles)
 
 
 @pytest.fixture(scope="module")
 def tcp_pool(ray_cluster: RayCluster) -> Iterator[Shards]:
     store = StoreConfig(slot_bytes=SLOT, dram_slots=16, reservation_ttl_s=60.0)
-    handles = start_named(ray_cluster, NS_TCP, {"a": store, "b": store}, backend="tcp")
-    shards = Shards(ray_cluster, handles, backend="tcp")
-    yield shards
-    shards.close()
-    stop_shards(handles)
+    yield from running_shards(ray_cluster, NS_TCP, {"a": store, "b": store}, backend="tcp")
 
 
 def test_pull_32_blocks_bytes_identical(pool: Shards) -> None:
