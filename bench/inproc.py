@@ -25,6 +25,7 @@ ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout is for the benches' one JSON document
 }
 
 
@@ -45,6 +46,7 @@ class GenResult(msgspec.Struct, frozen=True):
     tokens: list[list[int]]
     ttft_s: list[float]  # per prompt: arrival → first token (vLLM's own timing); -1 when unavailable
     wall_s: float
+    cached: list[int] = []  # per prompt: prompt tokens the engine reused (its prefix cache + its connector)
 
 
 def engine_env() -> None:
@@ -81,6 +83,15 @@ def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class:
     )
 
 
+def placement() -> dict[str, Any]:
+    """Where this process's in-process engines compute: the torch thread count and the CPUs they may use (the
+    engines run unbound, one thread: ``OMP_NUM_THREADS=1``; every engine of a comparison runs here alike)."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0)),
+            "binding": "in-process (unbound), OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "")}
+
+
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
     """Greedy completion of token-id prompts (ignore EOS, so every output has ``max_tokens`` tokens)."""
     from vllm import SamplingParams
@@ -94,11 +105,13 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
         m = getattr(o, "metrics", None)
         first = getattr(m, "first_token_latency", None) if m is not None else None
         ttfts.append(float(first) if first is not None else -1.0)
-    return GenResult([list(o.outputs[0].token_ids) for o in outs], ttfts, wall)
+    return GenResult([list(o.outputs[0].token_ids) for o in outs], ttfts, wall,
+                     [int(o.num_cached_tokens or 0) for o in outs])
 
 
-def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int]]:
-    """(TTFT, tokens) of one greedy request, stepping the engine here: TTFT = add_request → first output token."""
+def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
+    """(TTFT, tokens, cached prompt tokens) of one greedy request, stepping the engine here: TTFT = add_request →
+    first output token; cached = what the engine reused (its own prefix cache plus what its connector loaded)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -107,15 +120,30 @@ def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str)
     engine.add_request(request_id, {"prompt_token_ids": prompt}, sp)
     ttft = -1.0
     tokens: list[int] = []
+    cached = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id != request_id:
                 continue
             if ttft < 0 and out.outputs and out.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
+            cached = max(cached, out.num_cached_tokens or 0)
             if out.finished:
                 tokens = list(out.outputs[0].token_ids)
-    return ttft, tokens
+    return ttft, tokens, cached
+
+
+def reference_tokens(llm: Any, prompt: list[int], reused_tokens: int, max_tokens: int, request_id: str) -> list[int]:
+    """Plain vLLM's answer for the same compute split: ``llm`` (an engine without a connector, prefix caching on)
+    gets exactly the first ``reused_tokens`` of ``prompt`` into its own prefix cache, then answers ``prompt``.
+    Raises when its cache did not supply exactly that many (the comparison would not be for the same split)."""
+    llm.reset_prefix_cache()
+    if reused_tokens:
+        timed_request(llm, prompt[:reused_tokens], 1, request_id + "-prime")
+    _, tokens, cached = timed_request(llm, prompt, max_tokens, request_id)
+    if cached != reused_tokens:
+        raise RuntimeError(f"reference reused {cached} tokens, not {reused_tokens}")
+    return tokens
 
 
 def scheduler_connector(llm: Any) -> Any:

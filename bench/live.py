@@ -78,6 +78,20 @@ async def resolve_model(client: Any, model: str | None) -> str:
     return str(data[0].id)
 
 
+def replica_placement(endpoint: str, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
+    """Where each replica's engine threads run (``/kvstack/status``: replica id, cores, threads, binding), or None
+    for an endpoint that is not kvstack (plain vLLM, another server). Every bench report records it."""
+    import httpx
+
+    base = endpoint.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    try:
+        replicas = httpx.get(base + "/kvstack/status", timeout=timeout_s).raise_for_status().json()["replicas"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return [{"replica_id": r["replica_id"], **(r.get("placement") or {})} for r in replicas]
+
+
 @dataclass(slots=True)
 class LiveRun:
     records: list[RequestRecord]
@@ -108,6 +122,7 @@ def build_result(kind: str, label: str, endpoint: str, model: str, config: dict[
         **summarize_records(run.records, run.wall_s),
         **run.extra,
         "router": run.router,
+        "placement": replica_placement(endpoint),
     }
     if save_requests:
         result["request_log"] = [r.to_json() for r in run.records]

@@ -440,9 +440,15 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
             row["cancelled_before_first_token"] = sum(1 for r in log if r.get("cancelled") and r.get("ttft_s") is None)
     timeline = {e["policy"]: [(r["sent_at_s"], r["ttft_s"]) for r in e["result"].get("request_log", [])
                               if r.get("ttft_s") is not None and r.get("error") is None] for e in done}
+    # Every policy must run on the same engine placement (threads and binding per replica), or the TTFTs compare
+    # thread counts, not policies.
+    placements = {e["policy"]: sorted((p.get("threads"), p.get("binding"), len(p.get("cores") or []))
+                                      for p in e["result"].get("placement") or []) for e in done}
     return {"rows": rows, "ratios": _ratios(samples, subject),
             "ratios_with_cancelled": _ratios(with_cancelled, subject), "ttft_samples": samples,
-            "ttft_timeline": timeline}
+            "ttft_timeline": timeline,
+            "placement": {e["policy"]: e["result"].get("placement") for e in done},
+            "same_placement": len({json.dumps(p) for p in placements.values()}) <= 1}
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -467,6 +473,10 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
              f"2 vLLM replicas (CPU build) on a local Ray cluster of a head + 2 worker nodes, KV pool on. "
              f"One fresh `kvstack serve` per policy, run in the order {', '.join(meta['policies'])}.", "",
              "Command:", "", "```", meta["command"], "```", "",
+             "Engine placement per policy (threads, cores per replica): " + "; ".join(
+                 f"{pol}: " + ", ".join(f"{p.get('threads')}×{p.get('cores')}" for p in (pl or []))
+                 for pol, pl in agg.get("placement", {}).items())
+             + ("" if agg.get("same_placement", True) else " — **NOT the same for every policy**"), "",
              "## TTFT and routing per policy", ""]
     header = ["policy", "ok/sent", "err", "cancelled", "TTFT p50 s", "p90", "p99", "mean",
               "p50 / p99 incl. cancelled", "TPOT p50 s", "decisions by action", "hit tokens by tier",
@@ -586,16 +596,14 @@ def size_workload(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- entry point
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import DEFAULT_CONFIG
+    from cluster.commands.serve import DEFAULT_CONFIG, parse_overrides
     from cluster.serve_config import load_serve_config
 
     if args.from_work_dir is not None:
         return report_from_work_dir(args.from_work_dir.resolve(), args.out)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     serve_set = list(args.serve_set) if args.serve_set else list(DEFAULT_SERVE_SET)
-    import yaml
-
-    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in serve_set)}
+    overrides = parse_overrides(serve_set)
     try:
         cfg = load_serve_config(DEFAULT_CONFIG, overrides)
         for p in policies:

@@ -14,7 +14,10 @@ What one run does (defaults: the ``heavy`` dense tiny model, 3072-token prompts,
    recompute).
 
 Output (``--json``): ``ttft_recompute_s``, ``ttft_hbm_s``, ``ttft_fetch_dram_s``, ``ttft_fetch_ssd_s`` (medians),
-``recompute_over_*`` ratios, ``bytes_moved`` (median bytes read per fetch), ``token_identical``, ``cost_model``
+``recompute_over_*`` ratios, ``bytes_moved`` (median bytes read per fetch), ``token_identical`` (every case vs the
+recompute case), ``prompts_compared`` / ``mismatches`` (every case vs plain vLLM — an engine without the connector,
+run after the connector engine in this process — holding exactly the prefix that case reused in its own prefix
+cache), ``placement`` (the engine's threads and CPUs), ``cost_model``
 (per case: predicted seconds, predicted / actual winner, ``predicted_winner_correct``), the raw repeats and the
 setup. Run under the heavy lock: ``flock /tmp/kvstack-heavy.lock timeout 900 kvstack bench reuse --json``
 (~2 min with the defaults on a 2-core box).
@@ -107,7 +110,8 @@ def model_spec_from_dir(path: str, name: str, state_bytes: int = 0) -> Any:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.inproc import EngineSpec, close_llm, connector_stats, engine_env, make_llm, timed_request
+    from bench.inproc import (EngineSpec, close_llm, connector_stats, engine_env, make_llm, placement,
+                              reference_tokens, timed_request)
     from cluster.local_cluster import LocalCluster
     from cluster.tiny_models import make_tiny, preset_spec
     from kvpool.connector_config import ConnectorConfig, ShardRef
@@ -161,7 +165,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     keys = block_keys(Namespace(model_id, fp), prompt, block)
                     rep["demoted_blocks"] = client.demote(keys)
                 before = connector_stats(llm)
-                ttft, tokens = timed_request(llm, prompt, args.max_tokens, f"{case}-{i}")
+                ttft, tokens, cached = timed_request(llm, prompt, args.max_tokens, f"{case}-{i}")
                 after = connector_stats(llm)
                 w0, w1 = before["worker"], after["worker"]
                 s0, s1 = before["scheduler"], after["scheduler"]
@@ -173,10 +177,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "bytes_written": w1["bytes_written"] - w0["bytes_written"],
                     "write_s": w1["write_seconds"] - w0["write_seconds"],
                     "hit_tokens": s1["hit_tokens"] - s0["hit_tokens"],
+                    "reused_tokens": cached,
+                    "prompt": prompt,
                     "load_failures": w1["load_failures"] - w0["load_failures"],
                 }
             reps.append(rep)
-        stats = connector_stats(llm)
+        stats = {**connector_stats(llm), "placement": placement()}
+        close_llm(llm)
+        llm = None
+        # The oracle: plain vLLM (no connector) on the same engine settings, in this same process and thread
+        # placement, holding exactly the prefix each case reused in its own prefix cache.
+        llm = make_llm(espec)
+        for i, rep in enumerate(reps):
+            for case in CASES:
+                rep[case]["reference_tokens"] = reference_tokens(llm, rep[case]["prompt"], rep[case]["reused_tokens"],
+                                                                 args.max_tokens, f"ref-{case}-{i}")
     finally:
         if llm is not None:
             close_llm(llm)
@@ -197,6 +212,8 @@ def summarize(args: argparse.Namespace, spec: Any, model_dir: str, reps: list[di
     med = {c: statistics.median(r[c]["ttft_s"] for r in reps) for c in CASES}
     fetched = [r[c]["bytes_read"] for r in reps for c in ("fetch_dram", "fetch_ssd")]
     identical = all(r[c]["tokens"] == r["recompute"]["tokens"] for r in reps for c in CASES)
+    mismatches = [{"repeat": i, "case": c, "reused_tokens": r[c]["reused_tokens"]}
+                  for i, r in enumerate(reps) for c in CASES if r[c]["tokens"] != r[c]["reference_tokens"]]
     cached = statistics.median(r["fetch_dram"]["hit_tokens"] for r in reps)
     model = model_spec_from_dir(model_dir, f"tiny-{args.arch}-{args.preset}", linear_state_bytes(spec))
     hw = Hardware(model=model, gpu=load_gpus()[args.gpu], mfu=args.mfu, bw_util=args.bw_util)
@@ -223,13 +240,18 @@ def summarize(args: argparse.Namespace, spec: Any, model_dir: str, reps: list[di
         "bytes_moved": statistics.median(fetched),
         "save_s": statistics.median(r["recompute"]["write_s"] for r in reps),
         "token_identical": identical,
+        "prompts_compared": len(reps) * len(CASES),  # against plain vLLM holding the same reused prefix
+        "mismatches": len(mismatches),
+        "mismatched": mismatches,
+        "placement": {"engine": stats.get("placement")},
         "load_failures": sum(r[c]["load_failures"] for r in reps for c in CASES),
         "cost_model": cost,
         "setup": {"arch": args.arch, "preset": args.preset, "model_dir": model_dir, "prompt_tokens": args.tokens,
                   "cached_tokens": cached, "reps": args.reps, "max_tokens": args.max_tokens, "backend": args.backend,
                   "gpu_profile": args.gpu, "mfu": args.mfu, "bw_util": args.bw_util, "model_params": model.params,
                   "layout_fingerprint": stats.get("fingerprint")},
-        "repeats": [{c: {k: v for k, v in r[c].items() if k != "tokens"} for c in CASES} for r in reps],
+        "repeats": [{c: {k: v for k, v in r[c].items() if k not in ("tokens", "reference_tokens", "prompt")}
+                     for c in CASES} for r in reps],
     }
 
 
@@ -242,5 +264,7 @@ def table(result: dict[str, Any]) -> str:
         note = "" if cm is None else (f"predicted {cm['predicted_s']:.3f}s, winner "
                                       f"{'ok' if cm['predicted_winner_correct'] else 'WRONG'}")
         lines.append(f"{case:<12} {result[key]:>9.3f} {ratio:>12.1f}  {note}")
-    lines.append(f"bytes moved per fetch {result['bytes_moved']:.0f}; token identical: {result['token_identical']}")
+    lines.append(f"bytes moved per fetch {result['bytes_moved']:.0f}; token identical: {result['token_identical']}; "
+                 f"vs plain vLLM (same reused prefix): {result['prompts_compared']} prompts, "
+                 f"{result['mismatches']} mismatches")
     return "\n".join(lines)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import multiprocessing as mp
 import os
 import platform
@@ -47,7 +46,6 @@ from typing import Any
 
 import numpy as np
 
-from cluster.local_cluster import scoped_environ
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -348,71 +346,51 @@ def _ray_section(
 ) -> dict[str, Any]:
     try:
         import ray
-        from ray.cluster_utils import Cluster
 
+        from cluster.local_cluster import LocalCluster
         from kvpool.shard import ShardConfig, start_shards, stop_shards
         from kvpool.store import StoreConfig
         from kvpool.transfer.nixl import NixlOptions
     except ImportError as exc:
         return {"skipped": f"pool shard or ray not importable: {exc}"}
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "UCX_NET_DEVICES": "lo"}
-    tmpdir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-    cluster = None
+    cluster = LocalCluster(workers=2, cpus_per_worker=1, worker_names=("a", "b"), object_store_bytes=80 * MIB,
+                           namespace=None, logging_level="ERROR", log_to_driver=False)
     out: dict[str, Any] = {}
-    with scoped_environ({**env, "RAY_TMPDIR": tmpdir}):
+    try:
+        t0 = time.monotonic()
+        cluster.start()
+        nodes = {n.name: n for n in cluster.worker_nodes}
+        out["cluster_start_s"] = round(time.monotonic() - t0, 1)
+        slot = max(block_sizes)
+        slots = max(1, region_bytes // slot)
+        handles = start_shards(
+            lambda node_id, node_ip: ShardConfig(
+                shard_id=f"bench-{node_ip}",
+                store=StoreConfig(slot_bytes=slot, dram_slots=slots),
+                backend="nixl",
+                nixl=NixlOptions(ucx_devices="lo"),
+            ),
+            include=lambda n: n.get("Resources", {}).get("node_a", 0) > 0,
+        )
         try:
-            t0 = time.monotonic()
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * MIB},
-            )
-            nodes = {}
-            for name, ip in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
-                node = cluster.add_node(
-                    num_cpus=1, node_ip_address=ip, resources={f"node_{name}": 1}, object_store_memory=80 * MIB,
-                    wait=True,
-                )
-                nodes[name] = node.node_id
-            ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
-            out["cluster_start_s"] = round(time.monotonic() - t0, 1)
-            slot = max(block_sizes)
-            slots = max(1, region_bytes // slot)
-            handles = start_shards(
-                lambda node_id, node_ip: ShardConfig(
-                    shard_id=f"bench-{node_ip}",
-                    store=StoreConfig(slot_bytes=slot, dram_slots=slots),
-                    backend="nixl",
-                    nixl=NixlOptions(ucx_devices="lo"),
-                ),
-                include=lambda n: n.get("Resources", {}).get("node_a", 0) > 0,
-            )
-            try:
-                shard = handles[0]
-                client_cls = ray.remote(num_cpus=0)(_RayClient)
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            shard = handles[0]
+            client_cls = ray.remote(num_cpus=0)(_RayClient)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                client = client_cls.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"], soft=False)
-                ).remote(shard.actor, slots, slot)
-                res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s),  # type: ignore[attr-defined]
-                              timeout=600)
-                out.update(res)
-                out["shard_node_ip"] = shard.node_ip
-                out["client_node_ip"] = "127.0.0.3"
-            finally:
-                stop_shards(handles)
-        except Exception as exc:  # the other sections stay valid; say what failed
-            out["error"] = f"{type(exc).__name__}: {exc}"
+            client = client_cls.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"].node_id, soft=False)
+            ).remote(shard.actor, slots, slot)
+            res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s),  # type: ignore[attr-defined]
+                          timeout=600)
+            out.update(res)
+            out["shard_node_ip"] = shard.node_ip
+            out["client_node_ip"] = nodes["b"].ip
         finally:
-            try:
-                import ray
-
-                ray.shutdown()
-            except Exception:
-                pass
-            if cluster is not None:
-                cluster.shutdown()
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            stop_shards(handles)
+    except Exception as exc:  # the other sections stay valid; say what failed
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        cluster.shutdown()
     return out
 
 

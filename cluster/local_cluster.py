@@ -1,8 +1,11 @@
 """A real multi-node Ray cluster on one machine: a head plus N worker nodes, each its own node IP on loopback.
 
-Who calls it: ``kvstack serve`` (the embedded default), the integration / e2e test fixtures and the benchmarks.
-Each worker node gets its own resources (``num_cpus`` and a ``kvstack_node_<i>`` custom resource) so replicas
-and pool shards can be spread or pinned. Pitfalls handled here (measured on this kind of machine):
+Who calls it: ``kvstack serve`` (the embedded default), the session test fixture (``tests/ray_cluster_fixture.py``)
+and the benchmarks (``bench reuse``, ``bench transfer --ray``) — one bootstrap, so the tests run on the cluster
+``kvstack serve`` starts. Each worker node gets its own resources (``num_cpus``, a ``kvstack_node_<i>`` custom
+resource, ``kvstack_worker``, and ``node_<name>`` when the workers are named) so replicas and pool shards can be
+spread or pinned. The environment is one dict (``LOCAL_CLUSTER_ENV``): ``start`` sets what the caller has not set,
+``shutdown`` puts the process environment back. Pitfalls handled here (measured on this kind of machine):
 - node IP 127.0.0.1 is rewritten to the host IP → nodes use 127.0.0.2, .3, …;
 - ``~/.ray/auth_token`` turns token auth on → ``RAY_AUTH_MODE=disabled`` for these local clusters;
 - default ports collide with other Ray instances → every port is picked free;
@@ -45,22 +48,6 @@ def prepare_environment(overrides: dict[str, str] | None = None) -> None:
         os.environ.setdefault(key, value)
 
 
-@contextmanager
-def scoped_environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` for the block; afterwards each key is back to what it was (or unset again).
-    For code that starts a Ray cluster inside a longer-lived process (a test session, a benchmark)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -73,6 +60,7 @@ class NodeInfo:
     node_id: str
     resource: str  # the custom resource naming this node ("kvstack_node_<i>"; "kvstack_head" for the head)
     num_cpus: int
+    name: str = ""  # "head", or the worker's name (``worker_names``; else its index)
 
 
 @dataclass
@@ -84,18 +72,24 @@ class LocalCluster:
     head_cpus: int = 0
     object_store_bytes: int = 200 * 2**20
     first_ip: int = 2
-    namespace: str = "kvstack"
+    namespace: str | None = "kvstack"
     temp_root: str | None = None
+    worker_names: tuple[str, ...] | None = None  # also adds a ``node_<name>`` resource per worker
+    logging_level: str = "WARNING"
+    log_to_driver: bool = True
     nodes: list[NodeInfo] = field(default_factory=list)
 
     def start(self) -> LocalCluster:
         import ray
         from ray.cluster_utils import Cluster
 
-        prepare_environment()
+        if self.worker_names is not None and len(self.worker_names) != self.workers:
+            raise ValueError(f"{self.workers} workers but {len(self.worker_names)} worker names")
         # Ray's socket paths must stay short: a private dir directly under /tmp.
         self._tmp = tempfile.mkdtemp(prefix="kvs-", dir=self.temp_root or "/tmp")
         # Ray writes its "current cluster" address file under RAY_TMPDIR: keep it private too.
+        self._saved_env = {k: os.environ.get(k) for k in (*LOCAL_CLUSTER_ENV, "RAY_TMPDIR")}
+        prepare_environment()
         os.environ["RAY_TMPDIR"] = self._tmp
         ray_dir = os.path.join(self._tmp, "ray")
         os.makedirs(ray_dir, exist_ok=True)
@@ -115,20 +109,24 @@ class LocalCluster:
                 ray_client_server_port=free_port(head_ip),
             ),
         )
-        self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus)]
+        self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus, "head")]
         for i in range(self.workers):
             ip = f"127.0.0.{self.first_ip + 1 + i}"
+            name = self.worker_names[i] if self.worker_names is not None else str(i)
+            resources = {f"kvstack_node_{i}": 1, "kvstack_worker": 1}
+            if self.worker_names is not None:
+                resources[f"node_{name}"] = 1
             node = self._cluster.add_node(
                 wait=True,
                 node_ip_address=ip,
                 num_cpus=self.cpus_per_worker,
-                resources={f"kvstack_node_{i}": 1, "kvstack_worker": 1},
+                resources=resources,
                 object_store_memory=self.object_store_bytes,
                 metrics_export_port=free_port(ip),
             )
-            self.nodes.append(NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker))
-        ray.init(address=self._cluster.address, namespace=self.namespace, logging_level="WARNING",
-                 log_to_driver=True)
+            self.nodes.append(NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker, name))
+        ray.init(address=self._cluster.address, namespace=self.namespace, logging_level=self.logging_level,
+                 log_to_driver=self.log_to_driver)
         return self
 
     @property
@@ -153,6 +151,13 @@ class LocalCluster:
             tmp = getattr(self, "_tmp", None)
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
+                self._tmp = None
+            for key, value in getattr(self, "_saved_env", {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self._saved_env = {}
 
 
 @contextmanager

@@ -59,7 +59,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         replica_options["autoscaling_config"] = autoscaling
     else:
         replica_options["num_replicas"] = cfg.replicas.num_replicas
-    replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(cfg.engine, cfg.pool)
+    replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(
+        cfg.engine, cfg.pool, threads=cfg.replicas.engine_threads(), cpu_binding=cfg.replicas.cpu_binding)
 
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.loader import pick
 from configs.schema import GpuProfile, ModelSpec, TierSpec
+from deployments.cpu_placement import CpuBinding
 from deployments.engine_settings import EngineSettings
 
 APP_CONFIG_VERSION = 1
@@ -77,12 +78,23 @@ class ReplicaSettings(_Strict):
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (0 on CPU clusters)")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
     max_ongoing_requests: int = Field(default=32, ge=1)
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="engine threads per replica, each bound to a core of its own (default: num_cpus, at least 1)")
+    cpu_binding: CpuBinding = Field(
+        default="exclusive",
+        description="exclusive: a replica's threads run on cores no other replica holds (refused when none is "
+                    "free); shared: the least-claimed cores, replicas may share them (deployments.cpu_placement)")
 
     @model_validator(mode="after")
     def _one_of(self) -> ReplicaSettings:
         if (self.num_replicas is None) == (self.autoscaling_config is None):
             raise ValueError("set exactly one of replicas.num_replicas and replicas.autoscaling_config")
         return self
+
+    def engine_threads(self) -> int:
+        """Threads (and so cores) of one replica's engine."""
+        return self.threads if self.threads is not None else max(1, int(self.num_cpus))
 
 
 class RouterSettings(_Strict):

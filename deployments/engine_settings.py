@@ -6,7 +6,7 @@ Parsed once by the entrypoint (``deployments.app_config.AppConfig`` embeds it) a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,9 +26,28 @@ class EngineSettings(BaseModel):
     enforce_eager: bool = True
     max_num_seqs: int = Field(default=16, gt=0)
     seed: int = 0
-    omp_threads: int = Field(default=1, gt=0)
     kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
     cache_salt: str = ""
+
+    def vllm_engine_kwargs(self) -> dict[str, Any]:
+        """The vLLM engine arguments these settings stand for (``AsyncEngineArgs`` keywords): the replica's engine
+        adds its connector, KV events and CPU binding to them; ``kvstack bench oracle`` starts plain vLLM's own
+        server with exactly these."""
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            served_model_name=self.served_model_name,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=True,
+            seed=self.seed,
+            max_num_seqs=self.max_num_seqs,
+        )
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        return kwargs
 
     def hbm_capacity_blocks(self) -> int:
         """KV blocks the engine can hold (for the router's HBM prefix estimate)."""

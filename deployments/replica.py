@@ -14,6 +14,8 @@ Who calls what:
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
   first has its head computed and its tail staged on this node (``deployments.split_staging``).
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
+- Before its engine starts, the replica claims ``threads`` cores of its own and binds the engine to exactly those
+  (``deployments.cpu_placement``); every report carries that placement.
 
 The HBM view comes from vLLM's own KV cache events (``deployments.kv_events``): every block vLLM stores or evicts
 is re-keyed with kvstack's chained keys, so the router sees exactly what the engine holds. With events off
@@ -36,6 +38,7 @@ from typing import Any
 import msgspec
 
 from deployments.app_config import PoolSettings
+from deployments.cpu_placement import CpuBinding, claim_cores, engine_arguments, engine_environment
 from deployments.engine_settings import EngineSettings
 from router.hub import DEFAULT_HUB_NAME, ReplicaReport, TransferSample, get_or_create_hub
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
@@ -129,30 +132,31 @@ def to_sampling_params(s: Sampling, *, stream: bool, kv_shard_hint: str | None =
     )
 
 
-def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None, kv_transfer: Any = None) -> Any:
+def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None, kv_transfer: Any = None,
+                      extra: dict[str, Any] | None = None) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs: dict[str, Any] = dict(
-        model=engine.model_path,
-        tokenizer=engine.model_path,
-        served_model_name=engine.served_model_name,
-        max_model_len=engine.max_model_len,
-        block_size=engine.block_size,
-        dtype=engine.dtype,
-        enforce_eager=engine.enforce_eager,
-        enable_prefix_caching=True,
-        seed=engine.seed,
-        max_num_seqs=engine.max_num_seqs,
-    )
-    if engine.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = engine.kv_cache_memory_bytes
+    kwargs = engine.vllm_engine_kwargs()
     if kv_events_port is not None:
         from deployments.kv_events import events_config
 
         kwargs["kv_events_config"] = events_config(kv_events_port)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
+    kwargs.update(extra or {})
     return AsyncEngineArgs(**kwargs)
+
+
+def _gpu_numa_node() -> int | None:
+    """The NUMA node of this replica's (first) GPU, as vLLM's platform reports it; None on CPUs or when unknown."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    try:
+        return current_platform.get_device_numa_node(0)
+    except Exception:  # noqa: BLE001 - a placement preference only
+        return None
 
 
 class VLLMReplica:
@@ -160,7 +164,7 @@ class VLLMReplica:
 
     async def __init__(self, engine: dict[str, Any] | EngineSettings, pool: dict[str, Any] | PoolSettings | None = None,
                        hub_name: str | None = DEFAULT_HUB_NAME, hub_namespace: str | None = "kvstack",
-                       stats_interval_s: float = 0.5) -> None:
+                       stats_interval_s: float = 0.5, threads: int = 1, cpu_binding: CpuBinding = "exclusive") -> None:
         import ray
         from ray import serve
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -172,9 +176,13 @@ class VLLMReplica:
         if pool is not None and not isinstance(pool, PoolSettings):
             pool = PoolSettings.model_validate(pool)
         self.pool = pool if pool is not None and pool.enabled else None
-        os.environ.setdefault("OMP_NUM_THREADS", str(self.settings.omp_threads))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
+        # The engine's threads get cores of their own, bound explicitly: vLLM's automatic binding depends on
+        # whether a KV connector is configured (deployments.cpu_placement). Held for the replica's life.
+        self.cpu_claim = await asyncio.to_thread(claim_cores, threads, cpu_binding, owner=f"replica {self.replica_id}",
+                                                 prefer_numa=_gpu_numa_node())
+        placement_args = self._apply_placement()
         capacity_blocks = max(1, self.settings.hbm_capacity_blocks())
         self.ledger = HbmPrefixLedger(capacity_blocks)
         self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt)
@@ -192,7 +200,8 @@ class VLLMReplica:
             # collective_rpc; vLLM only pickles such objects when allowed. Both ends are this replica's own processes.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         started = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.settings, events_port, kv_transfer))
+        self.engine = AsyncLLM.from_engine_args(
+            build_engine_args(self.settings, events_port, kv_transfer, extra=placement_args))
         self.startup_s = time.monotonic() - started
         self._fingerprint = ""
         if self.pool is not None:
@@ -212,7 +221,18 @@ class VLLMReplica:
         self._drained_at_served = 0
         self._pending_samples: list[TransferSample] = []  # SPLIT pulls, sent with the next report
         self._publisher = asyncio.get_event_loop().create_task(self._publish_loop()) if self._hub else None
-        log.info("replica %s on node %s: engine up in %.1f s", self.replica_id, self.node_id[:8], self.startup_s)
+        p = self.cpu_claim.placement
+        log.info("replica %s on node %s: engine up in %.1f s; engine threads %d on cpus %s (%s, numa %s)",
+                 self.replica_id, self.node_id[:8], self.startup_s, p.threads, p.cores, p.binding, p.numa_nodes)
+
+    def _apply_placement(self) -> dict[str, Any]:
+        """Bind the engine to the claimed cores: the environment its processes inherit (set here, before they
+        start) and the engine arguments that go with it (GPU builds)."""
+        from vllm.platforms import current_platform
+
+        gpu = not current_platform.is_cpu()
+        os.environ.update(engine_environment(self.cpu_claim.placement, gpu=gpu))
+        return engine_arguments(self.cpu_claim.placement, gpu=gpu)
 
     def _connector_transfer_config(self) -> Any:
         """Start (or find) this node's shard and list every shard: the connector's configuration."""
@@ -368,7 +388,8 @@ class VLLMReplica:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
                 "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
                 "kv_events_skipped": self._events.translator.skipped if self._events else 0,
-                "split": dataclasses.asdict(self.split_stats), "pool_touches": self.pool_touches}
+                "split": dataclasses.asdict(self.split_stats), "pool_touches": self.pool_touches,
+                "placement": msgspec.structs.asdict(self.cpu_claim.placement)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""
@@ -410,6 +431,7 @@ class VLLMReplica:
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
                 waiting=self.waiting, key_root=bytes(self.key_root), stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
+                placement=self.cpu_claim.placement,
             )
             try:
                 await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)
@@ -431,3 +453,6 @@ class VLLMReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        claim = getattr(self, "cpu_claim", None)
+        if claim is not None:
+            claim.release()

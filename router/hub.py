@@ -4,7 +4,8 @@ Who calls what:
 - Each ``deployments.replica.VLLMReplica`` calls ``publish_replica(encoded ReplicaReport)`` every ~0.5 s: its
   load, the delta of HBM block keys since its last report (``full=True``: a whole snapshot, sent first and
   after any publish failure) and the pool fetches its connector finished since then (``TransferSample``, for the
-  routers' tier calibration; a snapshot carries none, so no fetch is counted twice).
+  routers' tier calibration; a snapshot carries none, so no fetch is counted twice) and where its engine threads
+  run (``ReplicaPlacement``, shown by ``kvstack serve`` and ``kvstack status``).
 - Each ``router.ingress.OpenAIIngress`` replica calls ``poll(cursor)`` every ~0.1 s and applies the returned
   reports, in order, to its own ``router.index`` view. A cursor older than the hub's bounded log gets a snapshot
   (one full report per live replica) instead of deltas, so no reader ever applies a delta on top of a gap.
@@ -36,6 +37,19 @@ class TransferSample(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
+class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a replica's engine threads run (``deployments.cpu_placement``): the CPUs it claimed and bound its
+    engine to, how many threads, the binding policy, the NUMA node(s) of those CPUs, the CPUs the process could
+    have used, and the other live claims on the same CPUs (non-empty only under ``binding="shared"``)."""
+
+    cores: list[int]
+    threads: int
+    binding: str
+    numa_nodes: list[int] = []
+    allowed: list[int] = []
+    shared_with: list[str] = []
+
+
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     version: int = HUB_WIRE_VERSION
     replica_id: str
@@ -50,6 +64,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     sent_at: float = 0.0
     gone: bool = False  # the replica left (forgotten)
     transfers: list[TransferSample] = []  # pool fetches finished since the previous report
+    placement: ReplicaPlacement | None = None  # the CPUs the replica's engine threads are bound to
 
 
 class PollReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -31,7 +31,7 @@ from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
 from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind, ReplicaSnapshot
-from router.hub import PollReply, ReplicaReport, get_or_create_hub
+from router.hub import PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
@@ -54,6 +54,7 @@ class ReplicaLoad:
     waiting: int
     last_seen: float
     mean_ttft_s: float = 0.0  # EWMA of observed TTFTs: what one queued request ahead costs, roughly
+    placement: ReplicaPlacement | None = None  # the CPUs its engine threads are bound to
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +157,9 @@ class LiveView:
                 self.key_root = BlockKey(report.key_root)
             self._apply_report(report)
             prev = self.loads.get(report.replica_id)
-            self.loads[report.replica_id] = ReplicaLoad(report.node_id, report.running, report.waiting, now,
-                                                        prev.mean_ttft_s if prev else 0.0)
+            self.loads[report.replica_id] = ReplicaLoad(
+                report.node_id, report.running, report.waiting, now, prev.mean_ttft_s if prev else 0.0,
+                report.placement or (prev.placement if prev else None))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
             if report.transfers:
@@ -336,7 +338,8 @@ class LiveView:
     # -- status ----------------------------------------------------------------------------------------------
     def replica_rows(self) -> list[dict[str, Any]]:
         return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
-                 "hbm_blocks": self.index.held_blocks("replica", rid, "hbm")}
+                 "hbm_blocks": self.index.held_blocks("replica", rid, "hbm"),
+                 "placement": msgspec.structs.asdict(load.placement) if load.placement else None}
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:

@@ -58,7 +58,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["app.replicas.num_replicas"] = args.replicas
     if args.policy is not None:
         out["app.router.policy"] = args.policy
-    for item in args.set:
+    out.update(parse_overrides(args.set))
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items → {dotted key: YAML-parsed value} (``load_serve_config``'s overrides)."""
+    out: dict[str, Any] = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
@@ -76,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, UnknownNameError, ValueError) as exc:
         print(f"kvstack serve: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop = StopFlag()
     handle_signals(stop)
     stack = ServeStack(cfg, args.state_file, on_ray_started=lambda: handle_signals(stop))
     try:
@@ -102,7 +109,28 @@ def _same_tiny(path: Path, tiny: Any) -> bool:
         return False
 
 
-def handle_signals(stop: threading.Event) -> None:
+class StopFlag:
+    """Set by SIGINT/SIGTERM, polled by the threads that wait on it. No lock: a signal handler runs on the main
+    thread wherever it is, also inside a wait on this flag, so a ``threading.Event`` (whose ``set`` takes the lock
+    its ``wait`` holds) deadlocked ``kvstack serve`` on a second Ctrl-C."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while not self._set and time.monotonic() < end:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        return self._set
+
+
+def handle_signals(stop: StopFlag) -> None:
     """SIGINT/SIGTERM set ``stop``. Re-installed after ``ray.init``, whose core worker replaces the handlers."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -114,14 +142,14 @@ class ServeStack:
     def __init__(self, cfg: Any, state_file: Path, on_ray_started: Any = None) -> None:
         self.cfg = cfg
         self.on_ray_started = on_ray_started or (lambda: None)
-        self.stop_event = threading.Event()
+        self.stop_event = StopFlag()
         self.state_file = state_file
         self.progress = Progress()
         self.cluster: Any = None
         self.shards: list[Any] = []
         self.serve_started = False
 
-    def start(self, stop: threading.Event) -> None:
+    def start(self, stop: StopFlag) -> None:
         from cluster.local_cluster import LocalCluster, prepare_environment
 
         self.stop_event = stop
@@ -203,6 +231,40 @@ class ServeStack:
             raise failure[0]
         self.on_ray_started()
         self.progress.done("app ready", t)
+        self._print_placement()
+
+    def _print_placement(self, deadline_s: float = 20.0) -> None:
+        """One line per replica: the node and the CPUs its engine threads are bound to (from the replicas' first
+        reports to the cluster-view hub)."""
+        import msgspec
+        import ray
+
+        from router.hub import DEFAULT_HUB_NAME, PollReply
+
+        want = self.cfg.app.replicas.num_replicas or self.cfg.app.replicas.autoscaling_config.min_replicas
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        end = time.monotonic() + deadline_s
+        reports: list[Any] = []
+        while time.monotonic() < end:
+            try:
+                hub = ray.get_actor(DEFAULT_HUB_NAME, namespace="kvstack")
+                reply = msgspec.msgpack.decode(ray.get(hub.poll.remote(0), timeout=5.0), type=PollReply)
+                latest = {r.replica_id: r for r in reply.reports}  # the log holds several reports per replica
+                reports = [r for r in latest.values() if r.placement is not None and not r.gone]
+            except Exception:  # noqa: BLE001 - not up yet: ask again until the deadline
+                reports = []
+            if len(reports) >= want:
+                break
+            time.sleep(0.5)
+        for r in sorted(reports, key=lambda r: r.placement.cores):
+            p = r.placement
+            shared = f", shares them with {', '.join(p.shared_with)}" if p.shared_with else ""
+            print(f"[kvstack] replica {r.replica_id} on {ips.get(r.node_id, r.node_id[:12])}: {p.threads} engine "
+                  f"thread(s) bound to cpus {p.cores} (cpu_binding={p.binding}, numa node {p.numa_nodes}{shared})",
+                  flush=True)
+        if len(reports) < want:
+            print(f"[kvstack] placement: {len(reports)} of {want} replicas reported within {deadline_s:.0f} s",
+                  flush=True)
 
     def announce(self) -> None:
         host = "127.0.0.1" if self.cfg.http.host in ("0.0.0.0", "::") else self.cfg.http.host

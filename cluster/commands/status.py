@@ -38,12 +38,19 @@ def fetch_status(endpoint: str, decisions: int, timeout: float) -> dict[str, Any
         return json.loads(resp.read())
 
 
+def _placement(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "cpus=?"
+    shared = f" shared with {','.join(p['shared_with'])}" if p.get("shared_with") else ""
+    return f"threads={p['threads']} cpus={p['cores']} ({p['binding']}, numa {p['numa_nodes']}){shared}"
+
+
 def render(status: dict[str, Any]) -> str:
     lines = [f"nodes ({len(status['nodes'])}):"]
     lines += [f"  {n['ip']:<12} {n['node_id'][:12]}  cpus={n['cpus']:g}  alive={n['alive']}" for n in status["nodes"]]
     lines.append(f"replicas ({len(status['replicas'])}):")
     lines += [f"  {r['replica_id']:<14} node={r['node_id'][:12]}  running={r['running']} waiting={r['waiting']} "
-              f"hbm_blocks={r['hbm_blocks']}" for r in status["replicas"]]
+              f"hbm_blocks={r['hbm_blocks']}  {_placement(r.get('placement'))}" for r in status["replicas"]]
     lines.append(f"pool shards ({len(status['shards'])}):")
     lines += [f"  {s['shard_id']:<14} node={s['node_id'][:12]}  dram_blocks={s['dram_blocks']} "
               f"ssd_blocks={s['ssd_blocks']}  leases={s.get('leases', 0)}" for s in status["shards"]]

@@ -3,7 +3,7 @@
 - ``tiny_models`` (session): the dense and hybrid tiny models under ``<repo>/.kvstack/models`` (built once,
   reused while their generator digest matches).
 - ``ray_cluster`` (session): from ``tests/ray_cluster_fixture.py`` (registered in ``tests/conftest.py``) — a head with 0 CPUs and worker
-  nodes a, b, c on 127.0.0.2-4, UCX on loopback.
+  nodes a, b, c on 127.0.0.3-5 (``cluster.local_cluster.LocalCluster``), UCX on loopback.
 - ``pool`` (module): one named ``PoolShard`` per worker node (``kvpool.shard_registry`` names), DRAM + SSD, NIXL.
   The pytest process (an engine in it runs on the head node, which has no shard) saves to shard ``a``.
 - ``engines`` (module): an ``EngineSlot`` keeping at most one in-process vLLM engine alive — vLLM holds its KV

@@ -318,3 +318,78 @@ def test_failed_load_is_recomputed(ctx: Ctx, model: str, fault: str) -> None:
         assert w1["checksum_failures"] > w0["checksum_failures"]
     assert not connector_stats(llm)["held_leases"]
     ctx.engines.close()
+
+
+# ---------------------------------------------------------------------------------------------- many prompts
+def mixed_prompts(n: int = 200, seed: int = 5, max_len: int = 2030) -> list[list[int]]:
+    """``n`` distinct prompts in groups of 8 sharing a prefix (0..3 blocks); lengths below, at and above block
+    boundaries (k·128 − 1, k·128, k·128 + 1), random short ones, and one in eight up to the context length (the
+    suite's time goes into prefill: ~300 tokens a prompt on average)."""
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    while len(out) < n:
+        shared = [rng.randrange(10, 4000) for _ in range(rng.choice([0, 100, 127, 128, 129, 256, 383]))]
+        for j in range(8):
+            if j == 7:
+                length = rng.randint(BLOCK, max_len)
+            else:
+                length = rng.choice([rng.randint(1, 3 * BLOCK), rng.randint(1, 4) * BLOCK + rng.choice([-1, 0, 1])])
+            length = max(2, min(max_len, length))
+            head = shared[: length - 1]
+            out.append(head + [rng.randrange(10, 4000) for _ in range(length - len(head))])
+    return out[:n]
+
+
+@pytest.mark.reuse_correctness
+def test_many_prompts_match_plain_vllm(ctx: Ctx) -> None:
+    """Last in the module: its saves fill node b's shard, evicting what earlier tests saved there.
+
+    200 prompts of mixed lengths, in batches of 8 and one by one, through the connector engine: a first pass
+    (nothing in the pool yet; prompts that share a prefix may hit HBM), then after an HBM reset (the pool supplies
+    the prefixes the first pass computed), then one prompt per group alone. Every output equals plain vLLM's:
+    without reuse; or holding exactly the reused prefix in its own prefix cache (the same compute split); or
+    running the same passes with a cache that holds everything (its blocks computed by the same first-pass
+    batches the pool's were: a prefill of other lengths rounds bf16 differently). Nothing unexplained."""
+    from bench.inproc import reference_tokens
+
+    prompts = mixed_prompts()
+    batches = [prompts[i:i + 8] for i in range(0, len(prompts), 8)]
+    one_by_one = [[p] for p in prompts[::8]]  # 25 prompts, one per group
+
+    def run(llm: Any, subset: list[list[list[int]]]) -> tuple[list[list[int]], list[int]]:
+        results = [generate(llm, b, MAX_TOKENS) for b in subset]
+        return [t for r in results for t in r.tokens], [c for r in results for c in r.cached]
+
+    plain = ctx.engines.get(("plain", "dense"), ctx.spec("dense", prefix_caching=False))
+    ref, _ = run(plain, batches)
+    llm = ctx.engines.get(("conn-many", "dense"), ctx.spec("dense"),
+                          ctx.pool.config(local="b", nodes=("b",), model_id="e2e-dense-many"))
+    passes = [run(llm, batches)]
+    w0 = worker_stats(llm)
+    llm.reset_prefix_cache()
+    passes.append(run(llm, batches))
+    w1 = worker_stats(llm)
+    llm.reset_prefix_cache()
+    passes.append(run(llm, one_by_one))
+    assert w0["blocks_committed"] > 0, "the first pass saved nothing"
+    assert w1["blocks_loaded"] > w0["blocks_loaded"] and sum(passes[1][1]) > 0, "the pool supplied nothing"
+    index = [list(range(len(prompts))), list(range(len(prompts))), list(range(0, len(prompts), 8))]
+    differing = [(k, j, index[k][j]) for k in range(3) for j in range(len(index[k]))
+                 if passes[k][0][j] != ref[index[k][j]]]
+    unexplained = []
+    if differing:
+        replay_out: list[list[list[int]]] = []
+        oracle = ctx.engines.get(("plain-cached", "dense"), ctx.spec("dense", kv_cache_bytes=768 << 20))
+        for subset in (batches, batches, one_by_one):  # no resets: its cache keeps what the first pass computed
+            replay_out.append(run(oracle, subset)[0])
+        for k, j, i in differing:
+            out, cached = passes[k][0][j], passes[k][1][j]
+            if out == replay_out[k][j]:
+                continue
+            if reference_tokens(oracle, prompts[i], cached, MAX_TOKENS, f"oracle-{k}-{i}") != out:
+                unexplained.append((k, i, len(prompts[i]), cached))
+    compared = sum(len(x) for x in index)
+    reused = sum(1 for _, cached in passes for c in cached if c)
+    print(f"\nmany prompts: {len(prompts)} prompts, {compared} outputs compared ({reused} reused a prefix), "
+          f"{len(differing)} differ from no-reuse plain vLLM, {len(unexplained)} unexplained")
+    assert not unexplained, f"(pass, prompt, length, reused) unlike plain vLLM for the same computation: {unexplained}"

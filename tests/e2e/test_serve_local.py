@@ -253,6 +253,48 @@ def test_status_lists_nodes_replicas_shards(server) -> None:
     assert status["decisions"], "recent decisions are listed"
 
 
+def test_replicas_run_on_cores_of_their_own(server) -> None:
+    """The start-up output and the status name each replica's engine cores; two replicas never share one, and the
+    binding vLLM applied (its own start-up log) is the one kvstack chose."""
+    import re
+
+    status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+    placements = {r["replica_id"]: r["placement"] for r in status["replicas"]}
+    assert all(p and p["threads"] == 1 and p["binding"] == "exclusive" for p in placements.values()), placements
+    cores = [c for p in placements.values() for c in p["cores"]]
+    assert len(cores) == len(set(cores)) == 2, placements
+    log = server["log"].read_text()
+    for rid, p in placements.items():
+        assert f"replica {rid} on " in log and f"bound to cpus {p['cores']}" in log
+    bound = sorted(re.findall(r"local_rank=0, core ids=\[(\d+)\]", log))
+    assert bound == sorted(str(c) for c in cores), bound  # pool on: no reserved-core accident, one core each
+
+
+def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> None:
+    """The outside oracle (``bench.oracle``): fixed multi-turn sessions through kvstack with the pool on (every
+    replica's HBM emptied after each round, so revisits are served from the pool), each response judged against
+    plain vLLM's own server on the same engine settings with one bound engine thread like each replica — with
+    its prefix cache empty, and holding exactly the prefix kvstack reused. No unexplained difference."""
+    from bench.oracle import ReferenceServer, compare
+    from cluster.commands.serve import DEFAULT_CONFIG
+    from cluster.serve_config import load_serve_config
+
+    engine = load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
+                               ).app.engine
+    ref = ReferenceServer(engine.vllm_engine_kwargs(), [0], tmp_path / "reference.log", _free_port())
+    try:
+        ref.wait_ready()
+        result = compare(server["base"], ref.base, MODEL, sessions=6, turns=3, reset_hbm=True, seed=11,
+                         max_prompt_tokens=engine.max_model_len)
+    finally:
+        ref.stop()
+    assert result["unexplained"] == 0, result["unexplained_cases"]
+    assert result["compared"] >= 15, result["verdicts"]
+    assert result["reused_requests"] >= 8, result["by_action"]  # revisits reused their prefix (pool, or HBM)
+    assert "fetch" in result["by_action"], result["by_action"]
+    assert all(p.get("threads") == 1 for p in result["placement"]["kvstack"]), result["placement"]
+
+
 def test_sigterm_leaves_no_process_behind(server) -> None:
     proc = server["proc"]
     tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from deployments.replica import HbmPrefixLedger
-from router.hub import HUB_WIRE_VERSION, ClusterViewHub, HubState, PollReply, ReplicaReport
+from router.hub import HUB_WIRE_VERSION, ClusterViewHub, HubState, PollReply, ReplicaPlacement, ReplicaReport
 from router.wire import (
     WIRE_VERSION,
     FetchPlanMsg,
@@ -52,6 +52,21 @@ def test_generate_chunk_roundtrips_with_logprobs() -> None:
                                                                      [TokenLogprob(5, "é", -1.0),
                                                                       TokenLogprob(6, "e", -2.0)]])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(chunk), type=GenerateChunk) == chunk
+
+
+def test_replica_placement_travels_with_reports_and_snapshots() -> None:
+    placement = ReplicaPlacement(cores=[3], threads=1, binding="exclusive", numa_nodes=[0], allowed=[0, 1, 2, 3])
+    raw = msgspec.msgpack.encode(msgspec.structs.replace(report("r1", 1, stored=(1,), full=True),
+                                                         placement=placement))
+    back = msgspec.msgpack.decode(raw, type=ReplicaReport)
+    assert back.placement == placement
+    state = HubState(max_log=1)
+    state.publish(back)
+    state.publish(msgspec.structs.replace(report("r1", 2, stored=(2,)), placement=placement))  # replicas send it
+    # every time, so a reader that fell behind the log (a snapshot) still learns every replica's placement
+    reply = state.poll(0)
+    assert reply.snapshot and reply.reports[0].placement == placement
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(report("r2", 1)), type=ReplicaReport).placement is None
 
 
 def test_wire_rejects_wrong_types_and_versions() -> None:
