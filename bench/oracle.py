@@ -17,7 +17,8 @@ What one run does:
    - ``equal``: kvstack = (a) = (b);
    - ``split_explained``: kvstack = (b) ≠ (a) — plain vLLM differs the same way for the same split;
    - ``session_explained``: kvstack ≠ (b), but = (c) plain vLLM serving the session's turns in order, its own
-     prefix cache holding the blocks its earlier turns computed. The reused blocks were computed by an earlier
+     prefix cache holding the blocks its earlier turns computed (replayed with one output token per earlier turn —
+     the prompts' full blocks, as the pool holds them — and with the full answers, as a replica's HBM holds them). The reused blocks were computed by an earlier
      request of the session, a prefill of another length than ``c``; its GEMMs round bf16 differently than a
      prefill of exactly ``c`` tokens, so (b) is not the same computation — (c) is;
    - ``mismatch``: kvstack ≠ (b) and ≠ (c) — unexplained; also ``prompt_differs`` (kvstack's prompt length ≠
@@ -216,19 +217,21 @@ def judge(turn: Turn, ref: Reference, messages: list[dict[str, str]], max_tokens
     if turn.text == turn.reference_primed_text and turn.reference_cached_tokens == turn.cached_tokens:
         turn.verdict = "equal" if turn.text == turn.reference_fresh_text else "split_explained"
         return
-    # The reused blocks were computed by an earlier request of the session — a prefill of another length, whose
-    # GEMMs round differently than a prefill of exactly the reused tokens. Plain vLLM serving the same session in
-    # order holds blocks computed just so in its own prefix cache: its answer is the one to match.
-    ref.reset()
-    for msgs in earlier:
-        ref.chat(msgs, max_tokens)
-    turn.reference_session_text, _, turn.reference_session_cached_tokens = ref.chat(messages, max_tokens)
-    if turn.text == turn.reference_session_text:
-        turn.verdict = "session_explained"
-    elif turn.reference_cached_tokens != turn.cached_tokens:
-        turn.verdict = "reference_missed"
-    else:
-        turn.verdict = "mismatch"
+    # The reused blocks were computed by earlier requests of the session — prefills of other lengths, whose GEMMs
+    # round differently than a prefill of exactly the reused tokens. Plain vLLM serving the same session in order
+    # holds blocks computed just so in its own prefix cache: its answer is the one to match. Replayed twice: with
+    # one output token per earlier turn, its cache holds the prompts' full blocks only — what the pool holds (the
+    # connector saves a prompt's full blocks after its prefill); with the full answers, it also holds the blocks
+    # decoding completed — what a replica's HBM holds.
+    for replay_tokens in (1, max_tokens):
+        ref.reset()
+        for msgs in earlier:
+            ref.chat(msgs, replay_tokens)
+        turn.reference_session_text, _, turn.reference_session_cached_tokens = ref.chat(messages, max_tokens)
+        if turn.text == turn.reference_session_text:
+            turn.verdict = "session_explained"
+            return
+    turn.verdict = "reference_missed" if turn.reference_cached_tokens != turn.cached_tokens else "mismatch"
 
 
 def compare(endpoint: str, reference: str, model: str, *, sessions: int, turns: int, max_tokens: int = 8,

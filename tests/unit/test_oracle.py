@@ -27,6 +27,7 @@ class ScriptedReference:
         self.tokens, self.text_by_cached, self.miss = tokens, text_by_cached, miss
         self.cached = 0
         self.calls: list[str] = []
+        self.max_tokens_seen: list[int] = []
 
     def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokens)
@@ -41,6 +42,7 @@ class ScriptedReference:
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int]:
         self.calls.append("chat")
+        self.max_tokens_seen.append(max_tokens)
         return self.text_by_cached[self.cached], len(self.tokens), self.cached
 
 
@@ -85,6 +87,7 @@ def test_verdicts() -> None:
     t = _turn("c", 256)
     judge(t, session, msgs, 8, earlier=[msgs, msgs])
     assert t.verdict == "session_explained" and session.calls[-4:] == ["reset", "chat", "chat", "chat"]
+    assert session.max_tokens_seen[-3:] == [1, 1, 8]  # earlier turns replayed with one token: the pool's blocks
 
     t = _turn("a", 0)
     judge(t, ScriptedReference(list(range(300)), {0: "a"}), msgs, 8)
