@@ -133,13 +133,16 @@ def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str)
     return ttft, tokens, cached
 
 
-def reference_tokens(llm: Any, prompt: list[int], reused_tokens: int, max_tokens: int, request_id: str) -> list[int]:
+def reference_tokens(llm: Any, prompt: list[int], reused_tokens: int, max_tokens: int, request_id: str,
+                     computed_by: list[int] | None = None) -> list[int]:
     """Plain vLLM's answer for the same compute split: ``llm`` (an engine without a connector, prefix caching on)
-    gets exactly the first ``reused_tokens`` of ``prompt`` into its own prefix cache, then answers ``prompt``.
-    Raises when its cache did not supply exactly that many (the comparison would not be for the same split)."""
+    gets the first ``reused_tokens`` of ``prompt`` into its own prefix cache — computed by a prefill of exactly
+    those tokens, or of ``computed_by`` (the prompt that computed the reused blocks: a prefill of another length
+    rounds bf16 differently) — then answers ``prompt``. Raises when its cache did not supply exactly that many
+    (the comparison would not be for the same split)."""
     llm.reset_prefix_cache()
     if reused_tokens:
-        timed_request(llm, prompt[:reused_tokens], 1, request_id + "-prime")
+        timed_request(llm, computed_by or prompt[:reused_tokens], 1, request_id + "-prime")
     _, tokens, cached = timed_request(llm, prompt, max_tokens, request_id)
     if cached != reused_tokens:
         raise RuntimeError(f"reference reused {cached} tokens, not {reused_tokens}")

@@ -16,8 +16,8 @@ What one run does (defaults: the ``heavy`` dense tiny model, 3072-token prompts,
 Output (``--json``): ``ttft_recompute_s``, ``ttft_hbm_s``, ``ttft_fetch_dram_s``, ``ttft_fetch_ssd_s`` (medians),
 ``recompute_over_*`` ratios, ``bytes_moved`` (median bytes read per fetch), ``token_identical`` (every case vs the
 recompute case), ``prompts_compared`` / ``mismatches`` (every case vs plain vLLM — an engine without the connector,
-run after the connector engine in this process — holding exactly the prefix that case reused in its own prefix
-cache), ``placement`` (the engine's threads and CPUs), ``cost_model``
+run after the connector engine in this process — holding the prefix that case reused in its own prefix cache,
+computed as the connector engine's was: by a prefill of the whole prompt), ``placement`` (the engine's threads and CPUs), ``cost_model``
 (per case: predicted seconds, predicted / actual winner, ``predicted_winner_correct``), the raw repeats and the
 setup. Run under the heavy lock: ``flock /tmp/kvstack-heavy.lock timeout 900 kvstack bench reuse --json``
 (~2 min with the defaults on a 2-core box).
@@ -190,8 +190,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         llm = make_llm(espec)
         for i, rep in enumerate(reps):
             for case in CASES:
+                # the reused blocks were computed by the recompute case's prefill of the whole prompt
                 rep[case]["reference_tokens"] = reference_tokens(llm, rep[case]["prompt"], rep[case]["reused_tokens"],
-                                                                 args.max_tokens, f"ref-{case}-{i}")
+                                                                 args.max_tokens, f"ref-{case}-{i}",
+                                                                 computed_by=rep[case]["prompt"])
     finally:
         if llm is not None:
             close_llm(llm)

@@ -236,11 +236,14 @@ def engine_environment(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1
     """The environment the engine's processes must inherit for this placement.
 
     CPU build: ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM binds each worker's OpenMP threads to exactly these cores and
-    reserves none) and ``OMP_NUM_THREADS``. GPU build: ``OMP_NUM_THREADS`` only (the host-side threads next to the
+    reserves none), ``OMP_NUM_THREADS`` and ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the executor that binds). GPU build: ``OMP_NUM_THREADS`` only (the host-side threads next to the
     GPU); the cores themselves go to vLLM's ``numa_bind_cpus`` (``engine_arguments``)."""
     env = {"OMP_NUM_THREADS": str(max(1, placement.threads // ranks))}
     if not gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_bind(list(placement.cores), ranks)
+        # vLLM binds OpenMP threads only in its multiprocess executor; with V1 multiprocessing off (a variable
+        # inherited from whoever started Ray) the engine runs in-process and unbound.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     return env
 
 

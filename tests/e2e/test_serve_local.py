@@ -45,7 +45,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         "--set", "app.ingress.num_replicas=2",  # two routers: the anti-herding test needs them
     ]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # As a user starts it: none of the vLLM variables earlier tests set in this process (in-process engines turn
+    # V1 multiprocessing off here, which once made every replica of this server run in-process and unbound).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 480
     try:
         while time.monotonic() < deadline:

@@ -128,7 +128,8 @@ def test_vllm_binding_settings() -> None:
     with pytest.raises(PlacementError):
         vllm_cpu_bind([0, 1, 2], ranks=2)
     p = ReplicaPlacement(cores=[2, 3], threads=2, binding="exclusive")
-    assert engine_environment(p, gpu=False) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "2,3"}
+    assert engine_environment(p, gpu=False) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "2,3",
+                                                "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     assert engine_environment(p, gpu=True) == {"OMP_NUM_THREADS": "2"}
     assert engine_arguments(p, gpu=False) == {}
 
