@@ -78,15 +78,21 @@ async def resolve_model(client: Any, model: str | None) -> str:
     return str(data[0].id)
 
 
+def server_root(endpoint: str) -> str:
+    """The server's root URL for an OpenAI base URL (``http://h:p/v1`` → ``http://h:p``): where ``/kvstack/*``
+    and vLLM's own ``/tokenize`` live."""
+    base = endpoint.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
 def replica_placement(endpoint: str, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
     """Where each replica's engine threads run (``/kvstack/status``: replica id, cores, threads, binding), or None
     for an endpoint that is not kvstack (plain vLLM, another server). Every bench report records it."""
     import httpx
 
-    base = endpoint.rstrip("/")
-    base = base[: -len("/v1")] if base.endswith("/v1") else base
     try:
-        replicas = httpx.get(base + "/kvstack/status", timeout=timeout_s).raise_for_status().json()["replicas"]
+        replicas = httpx.get(server_root(endpoint) + "/kvstack/status", timeout=timeout_s
+                             ).raise_for_status().json()["replicas"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
     return [{"replica_id": r["replica_id"], **(r.get("placement") or {})} for r in replicas]

@@ -10,17 +10,18 @@ What one run does:
    whole history plus a new user message; greedy, ``--max-tokens`` tokens. Turns go round-robin over sessions
    (``--concurrency`` requests at a time), so a small KV cache evicts; ``--reset-hbm`` empties every replica's
    HBM prefix cache after each round, so revisits must come from the pool.
-3. Then, with kvstack idle (the reference never competes with it for the cores), for every kvstack response that reused ``c`` prompt tokens (``cached_tokens``: from HBM, the pool, a SPLIT),
-   asks the reference the same request (a) with its prefix cache empty and (b) with exactly the first ``c``
+3. Then, with kvstack idle (the reference never competes with it for the cores), for every kvstack response that
+   reused ``c`` prompt tokens (``cached_tokens``: from HBM, the pool, a SPLIT), asks the reference the same request (a) with its prefix cache empty and (b) with exactly the first ``c``
    prompt tokens in its prefix cache (reset, then a 1-token completion of those tokens). The only legitimate
    source of a difference is the compute split, and (b) has the same split:
    - ``equal``: kvstack = (a) = (b);
    - ``split_explained``: kvstack = (b) ≠ (a) — plain vLLM differs the same way for the same split;
    - ``session_explained``: kvstack ≠ (b), but = (c) plain vLLM serving the session's turns in order, its own
      prefix cache holding the blocks its earlier turns computed (replayed with one output token per earlier turn —
-     the prompts' full blocks, as the pool holds them — and with the full answers, as a replica's HBM holds them). The reused blocks were computed by an earlier
-     request of the session, a prefill of another length than ``c``; its GEMMs round bf16 differently than a
-     prefill of exactly ``c`` tokens, so (b) is not the same computation — (c) is;
+     the prompts' full blocks, as the pool holds them — and with the full answers, as a replica's HBM holds
+     them). The reused blocks were computed by an earlier request of the session, a prefill of another length
+     than ``c``; its GEMMs round bf16 differently than a prefill of exactly ``c`` tokens, so (b) is not the same
+     computation — (c) is;
    - ``mismatch``: kvstack ≠ (b) and ≠ (c) — unexplained; also ``prompt_differs`` (kvstack's prompt length ≠
      vLLM's rendering of the same messages) and ``reference_missed`` (the reference did not reuse exactly ``c``
      and its session replay did not match either).
@@ -51,7 +52,7 @@ from typing import Any
 
 import httpx
 
-from bench.live import replica_placement
+from bench.live import replica_placement, server_root
 
 REFERENCE_READY_DEADLINE_S = 300.0
 UNEXPLAINED = ("mismatch", "prompt_differs", "reference_missed", "not_in_earlier_run")
@@ -117,9 +118,13 @@ class ReferenceServer:
 
     def __init__(self, engine_kwargs: dict[str, Any], cores: list[int], log_path: Path, port: int) -> None:
         self.cores, self.port, self.log_path = cores, port, log_path
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
-               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "OMP_NUM_THREADS": str(len(cores)),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        from deployments.cpu_placement import engine_environment
+        from router.hub import ReplicaPlacement
+
+        self.binding = engine_environment(ReplicaPlacement(cores=cores, threads=len(cores), binding="reference"),
+                                          gpu=False)  # bound exactly as a replica's engine is
+        env = {**os.environ, **self.binding, "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self._log = open(log_path, "w")
         # Lowest priority: the reference shares cores with the kvstack replicas under test (Ray runs those at
         # nice 15), and vLLM's worker spins for a second after each request; timing never changes its outputs.
@@ -142,7 +147,7 @@ class ReferenceServer:
 
     def placement(self) -> dict[str, Any]:
         return {"cores": self.cores, "threads": len(self.cores),
-                "binding": f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, self.cores))}"}
+                "binding": " ".join(f"{k}={v}" for k, v in sorted(self.binding.items()))}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -246,7 +251,7 @@ def compare(endpoint: str, reference: str, model: str, *, sessions: int, turns: 
 
     client = openai.OpenAI(base_url=endpoint, api_key="unused", timeout=timeout_s, max_retries=0)
     ref = Reference(reference, model, timeout_s)
-    base = endpoint[: -len("/v1")] if endpoint.rstrip("/").endswith("/v1") else endpoint
+    base = server_root(endpoint)
     plan = make_sessions(sessions, turns, seed, max_system_words)
     for s in plan:
         s.history = [{"role": "system", "content": s.system}]
@@ -272,7 +277,7 @@ def compare(endpoint: str, reference: str, model: str, *, sessions: int, turns: 
                                       out["cached_tokens"], out["text"]), msgs))
                     plan[i].history = msgs + [{"role": "assistant", "content": out["text"]}]
             if reset_hbm:
-                httpx.post(base.rstrip("/") + "/kvstack/admin/reset_prefix_cache", timeout=timeout_s).raise_for_status()
+                httpx.post(base + "/kvstack/admin/reset_prefix_cache", timeout=timeout_s).raise_for_status()
                 time.sleep(1.0)  # the replicas' next reports (HBM emptied) reach the routers
     kvstack_s = time.monotonic() - started
     results: list[Turn] = []

@@ -10,9 +10,11 @@ those, whatever else is configured.
 Who calls what:
 - ``deployments.replica.VLLMReplica.__init__`` calls ``claim_cores(threads, binding)`` before its engine starts
   (on GPUs preferring the NUMA node of its GPU, as vLLM's platform reports it),
-  then ``apply(placement, gpu=...)``: the binding goes into the process environment that vLLM's engine-core and
-  worker processes inherit (CPU build: ``VLLM_CPU_OMP_THREADS_BIND``; both builds: ``OMP_NUM_THREADS``), and on
-  GPUs into vLLM's own ``numa_bind`` / ``numa_bind_cpus`` engine arguments when ``numactl`` is installed. The
+  then applies ``engine_environment(placement, gpu=...)`` to the process environment that vLLM's engine-core and
+  worker processes inherit (CPU build: ``VLLM_CPU_OMP_THREADS_BIND`` and the multiprocess executor that applies
+  it; both builds: ``OMP_NUM_THREADS``) and passes ``engine_arguments(...)`` — on GPUs vLLM's own ``numa_bind`` /
+  ``numa_bind_cpus``, when ``numactl`` is installed — to the engine.
+- ``bench.oracle`` binds its plain-vLLM reference with the same ``engine_environment``. The
   replica holds the returned ``CoreClaim`` for its whole life and reports ``claim.placement`` (a
   ``router.hub.ReplicaPlacement``) to the hub, so ``kvstack serve`` prints it and ``kvstack status`` shows it.
 - Tests call ``claim_cores`` with their own ``claims_dir`` and ``allowed`` CPU sets.

@@ -18,24 +18,18 @@ import httpx
 import psutil
 import pytest
 
+from cluster.local_cluster import free_port
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen3"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
+    port = free_port()
     state = tmp / "serve.json"
     log_path = tmp / "serve.log"
     cmd = [
@@ -284,7 +278,7 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
 
     engine = load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
                                ).app.engine
-    ref = ReferenceServer(engine.vllm_engine_kwargs(), [0], tmp_path / "reference.log", _free_port())
+    ref = ReferenceServer(engine.vllm_engine_kwargs(), [0], tmp_path / "reference.log", free_port())
     try:
         ref.wait_ready()
         result = compare(server["base"], ref.base, MODEL, sessions=6, turns=3, reset_hbm=True, seed=11,
