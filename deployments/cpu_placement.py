@@ -206,7 +206,7 @@ def claim_cores(threads: int, binding: CpuBinding = "exclusive", *, owner: str =
         claim = CoreClaim(ReplicaPlacement(
             cores=cores, threads=threads, binding=binding,
             numa_nodes=sorted({c.numa_node for c in topology if c.cpu in cores}),
-            allowed=sorted(allowed_set), shared_with=shared_with))
+            allowed=sorted(allowed_set), shared_with=shared_with, pid=os.getpid()))
         try:
             for cpu in cores:
                 core_dir = root / f"cpu{cpu}"

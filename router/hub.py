@@ -40,7 +40,8 @@ class TransferSample(msgspec.Struct, frozen=True, array_like=True):
 class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
     """Where a replica's engine threads run (``deployments.cpu_placement``): the CPUs it claimed and bound its
     engine to, how many threads, the binding policy, the NUMA node(s) of those CPUs, the CPUs the process could
-    have used, and the other live claims on the same CPUs (non-empty only under ``binding="shared"``)."""
+    have used, the other live claims on the same CPUs (non-empty only under ``binding="shared"``) and the pid of
+    the replica process holding the claim (its engine processes are its descendants)."""
 
     cores: list[int]
     threads: int
@@ -48,6 +49,7 @@ class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
     numa_nodes: list[int] = []
     allowed: list[int] = []
     shared_with: list[str] = []
+    pid: int = 0
 
 
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
