@@ -1,6 +1,6 @@
 """Live load generators (``kvstack bench agent / trace / compare``) against a neighbour OpenAI-compatible server.
 
-The server (``tests.fakes.FakeOpenAIServer``) is a real HTTP server on 127.0.0.1 streaming SSE; the load
+The server (``tests.fakes.openai_server.FakeOpenAIServer``) is a real HTTP server on 127.0.0.1 streaming SSE; the load
 generators talk to it through the real ``openai`` SDK, exactly as they would to vLLM or to kvstack's ingress.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from bench.traces import TokenMapper, load_trace
 from cluster.cli import main as kvstack_main
-from tests.fakes import FakeOpenAIServer
+from tests.fakes.openai_server import FakeOpenAIServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -9,7 +9,7 @@ import pytest
 from configs.schema import TierSpec
 from router import cost
 from router.calibration import Calibrator, MfuEstimator, OnlineLine, TierEstimator
-from tests.fakes import router_hw, router_tier_map
+from tests.fakes.router import router_hw, router_tier_map
 
 
 def test_online_line_recovers_a_noisy_line_and_rejects_outliers() -> None:

@@ -11,7 +11,7 @@ from router.decision import AuditLog, DecisionRecord, decode_records
 from router.metrics import RouterMetrics
 from router.policies.base import Action, Candidate, FetchPlan, PoolHit
 from router.policies.runner import PolicyRunner, make_policy
-from tests.fakes import RouterClock, router_cluster, router_request, router_tier_map
+from tests.fakes.router import RouterClock, router_cluster, router_request, router_tier_map
 
 
 def record(request_id: str, predicted: float = 0.2, best: float = 0.15) -> DecisionRecord:

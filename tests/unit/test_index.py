@@ -21,7 +21,7 @@ from router.events import (
 )
 from router.index import PrefixIndex
 from router.policies.base import PoolHit
-from tests.fakes import RouterClock, router_keys, router_replica, router_request
+from tests.fakes.router import RouterClock, router_keys, router_replica, router_request
 
 KEYS = router_keys(64)
 STORED, REMOVED, CLEARED = ReplicaEventKind.STORED, ReplicaEventKind.REMOVED, ReplicaEventKind.CLEARED

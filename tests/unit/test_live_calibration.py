@@ -79,7 +79,7 @@ def test_fetches_from_unknown_shards_or_empty_ones_are_not_used() -> None:
 def test_decisions_price_fetches_with_the_calibrated_tier() -> None:
     """A pool hit on another node: FETCH is priced with the configured remote DRAM tier first; after the replicas
     report that such fetches are 100x slower, the same request is priced (and decided) differently."""
-    from tests.fakes import router_keys
+    from tests.fakes.router import router_keys
 
     view = make_view()
     keys = router_keys(2048)

@@ -31,7 +31,7 @@ from router.policies.runner import (
     UnknownPolicyError,
     make_policy,
 )
-from tests.fakes import (
+from tests.fakes.router import (
     RouterClock,
     router_cluster,
     router_hw,

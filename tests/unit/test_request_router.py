@@ -1,7 +1,8 @@
 """deployments.request_router: the target read from a real Serve ``PendingRequest``, the load read from routing
 stats, and ``DecisionRequestRouter.choose_replicas``'s ranking (chosen replica first, the rest least-loaded behind
 it; least-loaded when the target is gone or absent). The router body needs no Serve state, so it is called unbound
-on ``FakeRunningReplica``s (tests/fakes.py); the real ``RunningReplica`` needs a live actor."""
+on ``FakeRunningReplica``s (tests/fakes/serve.py: real ``RunningReplica``s without a live actor, so a router that
+tried to reach a replica would fail)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ray.serve.request_router import PendingRequest
 
 from deployments.request_router import DecisionRequestRouter, _load, _target_of
 from router.wire import GenerateRequest, Sampling
-from tests.fakes import FakeRunningReplica
+from tests.fakes.serve import FakeRunningReplica
 
 
 def greq(target: str | None) -> GenerateRequest:
@@ -50,9 +51,9 @@ def test_load_is_running_plus_waiting() -> None:
     assert _load(FakeRunningReplica("a", running=2, waiting=3)) == 5.0
     assert _load(FakeRunningReplica("a", routing_stats={})) == 0.0
     assert _load(FakeRunningReplica("a", routing_stats={"running": 1})) == 1.0
-    assert _load(FakeRunningReplica("a", routing_stats=None)) == 0.0  # type: ignore[arg-type]
+    assert _load(FakeRunningReplica("a", routing_stats=None)) == 0.0
     empty = FakeRunningReplica("a")
-    empty.routing_stats = None  # type: ignore[assignment]  # Serve has not fetched stats yet
+    empty.set_routing_stats(None)  # Serve has not fetched stats yet
     assert _load(empty) == 0.0
 
 

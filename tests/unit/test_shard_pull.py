@@ -1,8 +1,8 @@
 """The pull mechanism (``kvpool.shard_pull.Puller``) between two real ``BlockStore``s of this process.
 
-Bytes move through ``tests.fakes.LoopbackEndpoint`` (the transfer interface over local memory) and the source is
-``tests.fakes.StoreSource`` (the pull-source interface over a real store), so the pull's own logic is what is under
-test: skipping held keys, pulling only the leased prefix, checksum rejection, partial reservations, the
+Bytes move through ``tests.fakes.transfer.LoopbackEndpoint`` (the transfer interface over local memory) and the
+source is ``tests.fakes.shard.StoreSource`` (the pull-source interface over a real store), so the pull's own logic is
+what is under test: skipping held keys, pulling only the leased prefix, checksum rejection, partial reservations, the
 reservation abort and the lease release on every path, deadlines, caching and re-resolution of sources. The real
 thing (shard actors on a Ray cluster, NIXL) is ``tests/integration/test_pool_pull.py``. Also: ``BlockStore.commit``
 with ``slot_index`` and ``BlockStore.held``.
@@ -22,7 +22,8 @@ from kvpool.keys import Namespace, block_keys
 from kvpool.shard import PullRequest, ShardUnavailableError
 from kvpool.shard_pull import Puller, check_pull
 from kvpool.store import BlockStore, StoreConfig
-from tests.fakes import LoopbackEndpoint, LoopbackFabric, StoreSource
+from tests.fakes.shard import StoreSource
+from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric
 
 SLOT = 4096
 FP = "cd" * 16

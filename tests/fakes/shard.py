@@ -1,0 +1,65 @@
+"""``StoreSource``: a source shard as the pull sees it (``kvpool.shard_pull.PullSource``), over a real
+``BlockStore`` of this process whose arena is registered on a ``tests.fakes.transfer.LoopbackEndpoint``.
+
+It can be dead (every call raises ``ShardDeadError``), frozen (every call waits out its deadline, then raises
+``ShardUnavailableError``) or refuse leases (``PullSourceError``). Used by tests/unit/test_shard_pull.py, where the
+pull (``kvpool.shard_pull.Puller``) is under test and the source shard is its neighbour.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Literal
+
+from kvpool.shard import LeaseReply, ShardDeadError, ShardUnavailableError
+from kvpool.shard_pull import PullSource, PullSourceError
+from kvpool.store import BlockStore
+from kvpool.transfer import encode_metadata
+from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric
+
+SourceMode = Literal["ok", "dead", "frozen", "refuse"]
+
+
+class StoreSource(PullSource):
+    """A ``PullSource`` over a real ``BlockStore`` in this process; ``mode`` says how it answers."""
+
+    def __init__(self, store: BlockStore, fabric: LoopbackFabric, epoch: str = "e1") -> None:
+        self.store = store
+        self.shard_id = store.shard_id
+        self.agent_name = f"kvpool-{store.shard_id}"
+        self.endpoint = LoopbackEndpoint(fabric, self.agent_name, epoch)
+        self.region_id = self.endpoint.register(store.arena.buffer)
+        self.mode: SourceMode = "ok"
+        self.leased: list[list[bytes]] = []  # keys of every lease asked for
+        self.released: list[int] = []
+        self.metadata_calls = 0
+        self._lock = threading.Lock()
+
+    def _enter(self, deadline_s: float) -> None:
+        if self.mode == "dead":
+            raise ShardDeadError(f"source shard {self.shard_id}: actor is dead (fake)")
+        if self.mode == "frozen":
+            time.sleep(max(deadline_s, 0.0))
+            raise ShardUnavailableError(f"source shard {self.shard_id}: no answer within {deadline_s}s (fake)")
+
+    def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> LeaseReply:
+        self._enter(deadline_s)
+        if self.mode == "refuse":
+            raise PullSourceError(f"source shard {self.shard_id}.lease refused: ttl too long (fake)")
+        self.leased.append(list(keys))
+        with self._lock:
+            lease = self.store.lease(keys, fingerprint, ttl_s)
+        return LeaseReply(self.shard_id, self.store.epoch, self.agent_name, self.region_id, lease)
+
+    def release(self, lease_id: int, deadline_s: float) -> bool:
+        if self.mode in ("dead", "frozen"):
+            return False
+        self.released.append(lease_id)
+        with self._lock:
+            return self.store.release(lease_id)
+
+    def transfer_metadata(self, deadline_s: float) -> bytes:
+        self._enter(deadline_s)
+        self.metadata_calls += 1
+        return encode_metadata(self.endpoint.metadata())
