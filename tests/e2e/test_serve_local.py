@@ -1,7 +1,9 @@
 """E2E: ``kvstack serve`` as a subprocess — a real local Ray cluster (head + 2 workers), 2 real vLLM replicas (CPU
 build), pool shards, the router — driven with the real ``openai`` SDK; then SIGTERM must leave no process behind.
 
-One module-scoped server (~2-3 min to start on a 2-core box); every test talks to it over HTTP.
+One module-scoped server (~2-3 min to start on a 2-core box); every test talks to it over HTTP. Tests that need
+state to propagate (a replica's HBM report reaching the routers, the connector's saves reaching the shards) poll
+``/kvstack/status`` for that state with a deadline (``wait_for_status``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -67,6 +71,49 @@ def client(server):
     return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
 
 
+def engine_settings() -> Any:
+    """The replicas' engine settings, as ``kvstack serve`` derives them from its default config."""
+    from cluster.commands.serve import DEFAULT_CONFIG
+    from cluster.serve_config import load_serve_config
+
+    return load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
+                             ).app.engine
+
+
+def get_status(server) -> dict[str, Any]:
+    return httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+
+
+def wait_for_status(server, holds: Callable[[dict[str, Any]], bool], what: str, *, answers: int = 1,
+                    timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll ``/kvstack/status`` until ``holds(status)`` is true on ``answers`` answers in a row; fail after
+    ``timeout_s`` with the last answer. Shard rows are read from the shards themselves (one answer is enough);
+    replica rows are the answering router's own view, and an answer does not say which of the two routers gave it:
+    for those, ``answers=6`` in a row makes it all but certain that both routers have it (each answer comes from
+    either router, about evenly)."""
+    deadline = time.monotonic() + timeout_s
+    in_a_row = 0
+    while True:
+        st = get_status(server)
+        in_a_row = in_a_row + 1 if holds(st) else 0
+        if in_a_row >= answers:
+            return st
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what}; last status: replicas {st['replicas']}, "
+                        f"shards {st['shards']}")
+        time.sleep(0.2)
+
+
+def hbm_blocks(st: dict[str, Any]) -> dict[str, int]:
+    """Per replica, the HBM blocks the answering router believes it holds (from the replica's reports)."""
+    return {r["replica_id"]: r["hbm_blocks"] for r in st["replicas"]}
+
+
+def pool_blocks(st: dict[str, Any], node_id: str | None = None) -> int:
+    """Committed blocks in the pool's shards (all, or the one on ``node_id``)."""
+    return sum(s["dram_blocks"] + s["ssd_blocks"] for s in st["shards"] if node_id in (None, s["node_id"]))
+
+
 def test_chat_completion_and_stream(client) -> None:
     messages = [{"role": "user", "content": "Tell me about the KV cache."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -119,7 +166,10 @@ def test_second_turn_reuses_the_prefix(server, client) -> None:
     raw_first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
                                                                  temperature=0)
     first = raw_first.parse()
-    time.sleep(2.0)  # let the replica's HBM report (from vLLM's KV events) reach both routers
+    holder, blocks = raw_first.headers["x-kvstack-replica"], first.usage.prompt_tokens // engine_settings().block_size
+    wait_for_status(server, lambda st: hbm_blocks(st).get(holder, 0) >= blocks, answers=6,
+                    what=f"the HBM report of {holder} (from vLLM's KV events) holding the {blocks}-block prefix "
+                         "reached both routers")
     raw_second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
                                                                   temperature=0)
     second = raw_second.parse()
@@ -137,11 +187,18 @@ def test_prefix_fetched_from_the_pool_after_hbm_reset(server, client) -> None:
     the tokens equal the first, recomputed answer."""
     system = "You answer briefly. " + " ".join(f"rule {i}: keep value {i * 3} safe." for i in range(110))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which rule is first?"}]
+    saved_before = pool_blocks(get_status(server))
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
-    time.sleep(2.0)  # the connector's saves become visible shard events; the routers pick them up
+    blocks = first.usage.prompt_tokens // engine_settings().block_size
+    # The connector's saves are committed in the shards (their events follow; the routers read them every
+    # poll_interval_s, a view the status does not show)...
+    wait_for_status(server, lambda st: pool_blocks(st) >= saved_before + blocks,
+                    what=f"the connector's saves of the {blocks}-block prompt committed in the pool")
     reset = httpx.post(server["base"][:-3] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
     assert len(reset) == 2 and all(r["ok"] for r in reset), reset
-    time.sleep(2.0)
+    # ...and both routers saw every replica's HBM emptied, so only the pool still holds the prefix.
+    wait_for_status(server, lambda st: all(n == 0 for n in hbm_blocks(st).values()), answers=6,
+                    what="both routers saw the replicas' HBM reset")
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
                                                            temperature=0)
     again = raw.parse()
@@ -187,16 +244,17 @@ def test_split_plan_computes_the_head_and_loads_the_staged_tail(server, client) 
 
     rng = random.Random(7)
     tokens = [rng.randrange(100, 3000) for _ in range(128 * 6 + 37)]  # 6 full blocks of 128
+    before = get_status(server)
     raw = client.completions.with_raw_response.create(model=MODEL, prompt=tokens, max_tokens=8, temperature=0)
     first = raw.parse()
     computed_on = raw.headers["x-kvstack-replica"]
-    time.sleep(2.0)  # the connector's saves become shard events
+    nodes = {r["replica_id"]: r["node_id"] for r in before["replicas"]}
+    source_node = nodes[computed_on]
+    wait_for_status(server, lambda st: pool_blocks(st, source_node) >= pool_blocks(before, source_node) + 6,
+                    what=f"the connector's saves of the 6 full blocks committed in the shard of node {source_node}")
     reset = httpx.post(server["base"][:-3] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
     assert all(r["ok"] for r in reset), reset
-    status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
-    nodes = {r["replica_id"]: r["node_id"] for r in status["replicas"]}
-    source_node = nodes[computed_on]
-    source = next(s for s in status["shards"] if s["node_id"] == source_node)
+    source = next(s for s in get_status(server)["shards"] if s["node_id"] == source_node)
     target = next((rid for rid, node in nodes.items() if node != source_node), computed_on)
     args = {"address": json.loads(server["state"].read_text())["ray_address"], "tokens": tokens, "target": target,
             "plan": [source["shard_id"], source_node, "dram", 2, 6]}
@@ -287,11 +345,8 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
     plain vLLM's own server on the same engine settings with one bound engine thread like each replica — with
     its prefix cache empty, and holding exactly the prefix kvstack reused. No unexplained difference."""
     from bench.oracle import ReferenceServer, compare
-    from cluster.commands.serve import DEFAULT_CONFIG
-    from cluster.serve_config import load_serve_config
 
-    engine = load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
-                               ).app.engine
+    engine = engine_settings()
     ref = ReferenceServer(engine.vllm_engine_kwargs(), [0], tmp_path / "reference.log", free_port())
     try:
         ref.wait_ready()

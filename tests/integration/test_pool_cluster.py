@@ -85,10 +85,12 @@ class BufferActor:
         return msgspec.msgpack.encode(self.ep.write(peer, self._ops(ops), deadline_s))
 
     def read_until_failure(
-        self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float, max_s: float
+        self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float, max_s: float,
+        progress_path: str,
     ) -> tuple[int, bytes, float]:
         """Read repeatedly until a read reports failed blocks (or ``max_s`` passes): (iterations, last result,
-        wall seconds of the last read)."""
+        wall seconds of the last read). After each read, the count of reads done is written to ``progress_path``
+        (this actor is busy in the loop; the test runs on the same machine and reads the file)."""
         block_ops = self._ops(ops)
         stop_at = time.monotonic() + max_s
         n = 0
@@ -97,6 +99,7 @@ class BufferActor:
             res = self.ep.read(peer, block_ops, deadline_s)
             took = time.monotonic() - t0
             n += 1
+            Path(progress_path).write_text(str(n))
             if res.failed or time.monotonic() > stop_at:
                 return n, msgspec.msgpack.encode(res), took
 
@@ -364,8 +367,12 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
     warm = decode_result(ray.get(reader_big.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
     assert warm.all_ok, warm
 
-    ref = reader_big.read_until_failure.remote(rep.agent_name, ops, DEADLINE_S, 60.0)
-    time.sleep(1.0)  # reads are running
+    progress = tmp_path / "reads-done"
+    ref = reader_big.read_until_failure.remote(rep.agent_name, ops, DEADLINE_S, 60.0, str(progress))
+    deadline = time.monotonic() + 60.0
+    while not (progress.exists() and progress.read_text()):  # reads are running once the first one is done
+        assert time.monotonic() < deadline, "the reader's read loop did not complete a read within 60 s"
+        time.sleep(0.02)
     ray.kill(victim.actor, no_restart=True)
     t0 = time.monotonic()
     n, raw, took = ray.get(ref, timeout=DEADLINE_S + 60.0)
