@@ -309,7 +309,7 @@ class FakeOpenAIServer:
 # ``LoopbackEndpoint``: the ``TransferEndpoint`` interface over memory of this one process. Endpoints that share a
 # ``LoopbackFabric`` reach each other's registered buffers by agent name; a fabric can mark an agent dead (its ops
 # fail, like a dead peer) or fail chosen op indices of every call (a partial failure, as TCP can report).
-# ``StoreSource``: a pull source (``kvpool.shard_pull.PullSource``) over a real ``BlockStore`` of this process, with
+# ``StoreSource``: a pull source (``kvpool.shard.pull.PullSource``) over a real ``BlockStore`` of this process, with
 # its arena registered on a loopback endpoint; it can be dead (every call raises ``ShardDeadError``), frozen (every
 # call waits out its deadline, then raises ``ShardUnavailableError``) or refuse leases (``PullSourceError``).
 import threading as _p_threading
@@ -402,7 +402,7 @@ class StoreSource:
         self._lock = _p_threading.Lock()
 
     def _enter(self, deadline_s: float) -> None:
-        from kvpool.shard import ShardDeadError, ShardUnavailableError
+        from kvpool.shard.wire import ShardDeadError, ShardUnavailableError
 
         if self.mode == "dead":
             raise ShardDeadError(f"source shard {self.shard_id}: actor is dead (fake)")
@@ -411,8 +411,8 @@ class StoreSource:
             raise ShardUnavailableError(f"source shard {self.shard_id}: no answer within {deadline_s}s (fake)")
 
     def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> object:
-        from kvpool.shard import LeaseReply
-        from kvpool.shard_pull import PullSourceError
+        from kvpool.shard.pull import PullSourceError
+        from kvpool.shard.wire import LeaseReply
 
         self._enter(deadline_s)
         if self.mode == "refuse":
