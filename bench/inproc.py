@@ -56,7 +56,7 @@ def engine_env() -> None:
 
 
 def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class: tuple[str, str] | None = None) -> Any:
-    """A ``vllm.LLM`` in this process; ``connector`` is a ``kvpool.connector_config.ConnectorConfig`` or None.
+    """A ``vllm.LLM`` in this process; ``connector`` is a ``kvpool.connector.config.ConnectorConfig`` or None.
 
     ``connector_class`` = (class name, module path) of a ``KvPoolConnector`` subclass (tests)."""
     engine_env()
@@ -64,7 +64,7 @@ def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class:
 
     kwargs: dict[str, Any] = {}
     if connector is not None:
-        from kvpool.connector_config import kv_transfer_config
+        from kvpool.connector.config import kv_transfer_config
 
         names = {"connector": connector_class[0], "module_path": connector_class[1]} if connector_class else {}
         kwargs["kv_transfer_config"] = kv_transfer_config(connector, **names)
@@ -206,7 +206,7 @@ class EngineActorBody:
 
     def reload(self, spec: bytes, connector: bytes | None) -> None:
         """Replace the engine (one process start serves several engines, one at a time)."""
-        from kvpool.connector_config import ConnectorConfig
+        from kvpool.connector.config import ConnectorConfig
 
         if self.llm is not None:
             close_llm(self.llm)

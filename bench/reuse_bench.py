@@ -114,10 +114,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                               reference_tokens, timed_request)
     from cluster.local_cluster import LocalCluster
     from cluster.tiny_models import make_tiny, preset_spec
-    from kvpool.connector_config import ConnectorConfig, ShardRef
+    from kvpool.connector.config import ConnectorConfig, ShardRef
     from kvpool.keys import Namespace, block_keys
-    from kvpool.shard import ShardConfig, start_shards, stop_shards
-    from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
+    from kvpool.shard.placement import PoolNode, build_pool, stop_shards
+    from kvpool.shard.registry import shard_actor_name
+    from kvpool.shard.wire import ShardConfig
     from kvpool.store import StoreConfig
 
     engine_env()
@@ -135,13 +136,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         names = {n.node_id: f"n{i}" for i, n in enumerate(cluster.worker_nodes)}
 
-        def shard_config(node_id: str, node_ip: str) -> ShardConfig:
+        def shard_config(node: PoolNode) -> ShardConfig:
             store = StoreConfig(slot_bytes=slot, dram_slots=4 * n_blocks * args.reps + 16,
-                                ssd_dir=f"{ssd_root}/{names[node_id]}", ssd_slots=4 * n_blocks * args.reps + 16)
-            return ShardConfig(shard_id=names[node_id], store=store, backend=args.backend)
+                                ssd_dir=f"{ssd_root}/{names[node.node_id]}", ssd_slots=4 * n_blocks * args.reps + 16)
+            return ShardConfig(shard_id=names[node.node_id], store=store, backend=args.backend)
 
-        handles = start_shards(shard_config, include=lambda n: n["NodeID"] in names, actor_name=shard_actor_name,
-                               namespace=SHARD_NAMESPACE, ready_deadline_s=120.0)
+        handles = build_pool(shard_config, nodes=names, ready_deadline_s=120.0)
         by_id = {h.shard_id: h for h in handles}
         source = by_id["n0"]
         refs = [ShardRef(h.shard_id, shard_actor_name(h.node_id), h.node_id) for h in handles]

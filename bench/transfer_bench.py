@@ -348,7 +348,8 @@ def _ray_section(
         import ray
 
         from cluster.local_cluster import LocalCluster
-        from kvpool.shard import ShardConfig, start_shards, stop_shards
+        from kvpool.shard.placement import start_shards, stop_shards
+        from kvpool.shard.wire import ShardConfig
         from kvpool.store import StoreConfig
         from kvpool.transfer.nixl import NixlOptions
     except ImportError as exc:
@@ -398,7 +399,7 @@ class _RayClient:
     """Runs on node B: reserve slots in node A's shard, NIXL-write them, read them back (timed)."""
 
     def __init__(self, shard_actor: Any, slots: int, slot_bytes: int) -> None:
-        from kvpool.shard import ShardClient
+        from kvpool.shard.client import ShardClient
         from kvpool.transfer import decode_metadata, make_endpoint
         from kvpool.transfer.file_io import aligned_buffer
         from kvpool.transfer.nixl import NixlOptions

@@ -4,8 +4,9 @@ Who calls it: ``kvstack serve`` after the cluster is up (``start_pool``: every w
 replica before its engine starts (``ensure_local_shard``: its own node; this is how nodes that KubeRay's
 autoscaler adds get a shard). Shards are detached named actors: they outlive any one replica and are stopped by
 whoever tears the pool down (``kvstack serve`` on exit; on Kubernetes, the node going away).
-Shard names come from ``kvpool.shard_registry`` so connectors and routers find them by node. The slot size is one
-KV block of the model's layout (all full-attention layers of ``block_size`` tokens, plus the linear-state page for
+The pool is built by ``kvpool.shard.placement.build_pool`` (named in the default namespace, so connectors and
+routers find the shards by node through ``kvpool.shard.registry``); this module only sizes the shards. The slot
+size is one KV block of the model's layout (all full-attention layers of ``block_size`` tokens, plus the linear-state page for
 hybrids), derived from the model's config.json; the connector refuses a pool whose slot size does not match the
 layout it registered.
 """
@@ -16,8 +17,9 @@ from pathlib import Path
 
 from deployments.app_config import AppConfig, PoolSettings
 from deployments.engine_settings import EngineSettings, pool_slot_bytes_from_model
-from kvpool.shard import ShardConfig, ShardHandle, start_shards
-from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
+from kvpool.shard.client import ShardHandle
+from kvpool.shard.placement import PoolNode, build_pool, default_shard_id
+from kvpool.shard.wire import ShardConfig
 from kvpool.store import StoreConfig
 
 
@@ -27,13 +29,14 @@ def block_slot_bytes(engine: EngineSettings) -> int:
     return pool_slot_bytes_from_model(engine.model_path, engine.block_size)
 
 
-def shard_config(engine: EngineSettings, pool: PoolSettings, node_id: str) -> ShardConfig:
-    """The shard of ``node_id``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<node>``."""
+def shard_config(engine: EngineSettings, pool: PoolSettings, node: PoolNode) -> ShardConfig:
+    """The shard of ``node``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<shard id>``."""
     slot = block_slot_bytes(engine)
+    shard_id = default_shard_id(node)
     ssd_slots = pool.ssd_bytes // slot if pool.ssd_dir else 0
-    ssd_dir = str(Path(pool.ssd_dir).resolve() / node_id[:12]) if ssd_slots else ""
+    ssd_dir = str(Path(pool.ssd_dir).resolve() / shard_id) if ssd_slots else ""
     return ShardConfig(
-        shard_id=node_id[:12],
+        shard_id=shard_id,
         store=StoreConfig(slot_bytes=slot, dram_slots=max(1, pool.dram_bytes // slot), ssd_dir=ssd_dir,
                           ssd_slots=ssd_slots),
         backend=pool.transfer_backend,
@@ -43,13 +46,8 @@ def shard_config(engine: EngineSettings, pool: PoolSettings, node_id: str) -> Sh
 
 def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[ShardHandle]:
     """One shard per worker node (nodes with CPUs; a 0-CPU head gets none), named for discovery."""
-    return start_shards(
-        lambda node_id, _ip: shard_config(cfg.engine, cfg.pool, node_id),
-        actor_name=shard_actor_name,
-        namespace=SHARD_NAMESPACE,
-        actor_options={"get_if_exists": True, "lifetime": "detached"},
-        ready_deadline_s=ready_deadline_s,
-    )
+    return build_pool(lambda node: shard_config(cfg.engine, cfg.pool, node), detached=True,
+                      ready_deadline_s=ready_deadline_s)
 
 
 def ensure_local_shard(engine: EngineSettings, pool: PoolSettings, *, ready_deadline_s: float = 120.0
@@ -59,12 +57,6 @@ def ensure_local_shard(engine: EngineSettings, pool: PoolSettings, *, ready_dead
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    (handle,) = start_shards(
-        lambda nid, _ip: shard_config(engine, pool, nid),
-        include=lambda n: n["NodeID"] == node_id,
-        actor_name=shard_actor_name,
-        namespace=SHARD_NAMESPACE,
-        actor_options={"get_if_exists": True, "lifetime": "detached"},
-        ready_deadline_s=ready_deadline_s,
-    )
+    (handle,) = build_pool(lambda node: shard_config(engine, pool, node), nodes=[node_id], detached=True,
+                           ready_deadline_s=ready_deadline_s)
     return handle

@@ -8,7 +8,8 @@ Who calls what:
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
 - With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
   (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
-  ``collective_rpc(kvpool.connector.drain_transfer_records)``; the routers calibrate their tier prices with them.
+  ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)``; the routers calibrate their tier prices
+  with them.
 - After a request's first token, the pool blocks of the prefix the engine reused are touched in this node's shard
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
@@ -109,7 +110,7 @@ def to_sampling_params(s: Sampling, *, stream: bool, kv_shard_hint: str | None =
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from kvpool.connector_scheduler import PLAN_PARAM
+    from kvpool.connector.scheduler import PLAN_PARAM
 
     return SamplingParams(
         n=s.n,
@@ -239,8 +240,9 @@ class VLLMReplica:
         import ray
 
         from deployments.pool_setup import ensure_local_shard
-        from kvpool.connector_config import ConnectorConfig, ShardRef, kv_transfer_config
-        from kvpool.shard_registry import SHARD_NAMESPACE, list_shards, shard_actor_name
+        from kvpool.connector.config import ConnectorConfig, ShardRef, kv_transfer_config
+        from kvpool.shard.registry import list_shards, shard_actor_name
+        from kvpool.shard.wire import SHARD_NAMESPACE
 
         assert self.pool is not None
         local = ensure_local_shard(self.settings, self.pool)
@@ -405,8 +407,8 @@ class VLLMReplica:
         samples, self._pending_samples = self._pending_samples, []
         if self.pool is None or self._served == self._drained_at_served:
             return samples
-        from kvpool.connector import drain_transfer_records
-        from kvpool.connector_meta import TransferRecord
+        from kvpool.connector.kv_connector import drain_transfer_records
+        from kvpool.connector.meta import TransferRecord
 
         self._drained_at_served = self._served
         try:

@@ -5,9 +5,9 @@ shard ``plan.shard_id``. vLLM's connector API can only add externally loaded tok
 engine already has, so the replica runs it in two steps (``router.policies.pricing.HwCoeffs.split_staged`` prices
 exactly this):
 1. at once and concurrently: the head [0, start·bs) as a request of its own (one output token, flagged so the
-   connector loads nothing: ``kvpool.connector_scheduler.NO_LOAD_PARAM``; vLLM's prefix cache keeps its blocks),
+   connector loads nothing: ``kvpool.connector.scheduler.NO_LOAD_PARAM``; vLLM's prefix cache keeps its blocks),
    and — when the plan's shard is on another node — this node's shard ``pull``s the tail blocks from it
-   (``kvpool.shard_pull``);
+   (``kvpool.shard.pull``);
 2. then the request itself, hinting the connector at the shard that now holds the tail (``PLAN_PARAM``): vLLM finds
    the head in its prefix cache, the connector loads [start, end) on top, the rest is computed.
 Every step has a deadline; any failure (pull refused, shard gone, head aborted) only costs speed: the request
@@ -72,7 +72,7 @@ async def stage_split(
     shard); ``pool_keys``: the prompt's block keys in the pool's namespace."""
     from vllm import SamplingParams
 
-    from kvpool.connector_scheduler import NO_LOAD_PARAM
+    from kvpool.connector.scheduler import NO_LOAD_PARAM
 
     start, end = plan.start_block, plan.end_block
     head_tokens = start * block_size

@@ -1,7 +1,7 @@
 """Pool events: what a shard tells the world about its blocks, sequence-numbered so a reader can detect gaps.
 
 Who calls what: the block store (``kvpool.store``) appends an event to its ``EventLog`` for every visible change
-(a block stored, removed, or moved between tiers); the shard actor (``kvpool.shard``) serves
+(a block stored, removed, or moved between tiers); the shard actor (``kvpool.shard.actor``) serves
 ``events_since`` / ``snapshot`` from it; the directory client (``kvpool.directory``) applies the batches and
 resyncs from a snapshot when a batch reports a gap or the shard's epoch changed (a restarted shard).
 

@@ -4,7 +4,7 @@ Layout mistakes fail silently (wrong tokens, no error), so every byte the pool s
 fingerprint of the layout that produced it, and a fingerprint mismatch is a miss, never data.
 
 Who calls what:
-- The vLLM connector (``kvpool/connector.py``, worker side, ``register_kv_caches``) derives a ``KvLayout`` from
+- The vLLM connector (``kvpool.connector.worker``, ``register_kv_caches``) derives a ``KvLayout`` from
   vLLM's KV cache config and the registered tensors, using the plain-value constructors here (this module never
   imports vllm or torch), then passes ``KvLayout.fingerprint`` to the block-key namespace (``kvpool.keys.Namespace``)
   and to every pool commit / lookup / lease.

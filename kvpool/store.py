@@ -1,13 +1,13 @@
 """The block store: one shard's DRAM and SSD tiers, without Ray. The mechanism; eviction order is a policy object.
 
-Who calls what: the shard actor (``kvpool.shard``) owns one ``BlockStore``, serializes calls to it under a lock,
+Who calls what: the shard actor (``kvpool.shard.actor``) owns one ``BlockStore``, serializes calls to it under a lock,
 registers ``store.arena.buffer`` with its transfer endpoint and sweeps expiries periodically (``sweep``). Tests
 drive it directly with an injected clock.
 
 Life of a block:
 1. ``reserve(n)`` hands out up to ``n`` DRAM slots (fewer when DRAM is full of leased/reserved blocks) that expire
    after ``reservation_ttl_s``. The writer fills them (a client's NIXL write into the arena, the shard's own read
-   from a peer shard in a ``pull`` (``kvpool.shard_pull``), or a local copy).
+   from a peer shard in a ``pull`` (``kvpool.shard.pull``), or a local copy).
 2. ``commit(reservation_id, keys, checksums, fingerprint)`` recomputes each block's checksum over the arena bytes;
    matching blocks become visible (an event ``STORED``), mismatching ones are dropped and counted. Slots not
    committed go back to the free list (``slot_index`` commits keys from chosen slots, not the leading ones).

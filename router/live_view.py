@@ -223,8 +223,8 @@ class LiveView:
 
     async def _sync_shards(self) -> None:
         from kvpool.events import EventBatch, ShardSnapshot
-        from kvpool.shard import EventsRequest
-        from kvpool.shard_registry import list_shards
+        from kvpool.shard.wire import EventsRequest
+        from kvpool.shard.registry import list_shards
 
         now = time.monotonic()
         if now - self._shards_listed_at > 5.0:
@@ -343,7 +343,7 @@ class LiveView:
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:
-        from kvpool.shard_registry import list_shards
+        from kvpool.shard.registry import list_shards
 
         rows = []
         for shard in await asyncio.to_thread(list_shards, self.settings.hub_namespace):

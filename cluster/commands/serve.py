@@ -289,7 +289,7 @@ class ServeStack:
             print(f"kvstack serve: serve shutdown: {exc}", file=sys.stderr)
         try:
             if self.shards:
-                from kvpool.shard import stop_shards
+                from kvpool.shard.placement import stop_shards
 
                 stop_shards(self.shards)
         except Exception as exc:  # noqa: BLE001

@@ -226,7 +226,7 @@ def check_imports(app: dict[str, Any], args: Any, where: str, path: str) -> list
             problems.append(Problem(where, f"{path}.deployments[{d}].request_router_config", str(exc)))
     if args is not None and args.pool.enabled:
         # the app wires the kvpool connector into every engine when the pool is on: it must resolve
-        from kvpool.connector_config import CONNECTOR_MODULE, CONNECTOR_NAME
+        from kvpool.connector.config import CONNECTOR_MODULE, CONNECTOR_NAME
 
         try:
             if not inspect.isclass(resolve(f"{CONNECTOR_MODULE}:{CONNECTOR_NAME}")):

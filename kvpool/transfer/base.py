@@ -4,9 +4,9 @@ One interface, two implementations run against one conformance suite (``tests/in
 ``kvpool.transfer.nixl.NixlEndpoint`` (NIXL over UCX) and ``kvpool.transfer.tcp.TcpEndpoint`` (plain TCP fallback).
 
 Who calls what:
-- A pool shard (``kvpool.shard``) creates an endpoint, registers its DRAM arena, and publishes ``metadata()``
+- A pool shard (``kvpool.shard.actor``) creates an endpoint, registers its DRAM arena, and publishes ``metadata()``
   through Ray (an actor method). It initiates transfers only when asked to ``pull`` blocks from a peer shard
-  (``kvpool.shard_pull``: it then reads from the peer into its own arena, like any client).
+  (``kvpool.shard.pull``: it then reads from the peer into its own arena, like any client).
 - A client (the vLLM connector's worker side, a test actor, the transfer bench) creates its own endpoint,
   registers its destination/source memory, ``add_peer(shard_metadata)``, then ``read``/``write`` block ops.
 

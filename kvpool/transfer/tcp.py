@@ -27,6 +27,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -58,6 +59,7 @@ from kvpool.transfer.common import (
 from kvpool.transfer.metrics import TransferMetrics, transfer_metrics
 
 TCP_WIRE_VERSION = 1
+TcpOp = Literal["read", "write"]  # a request of another op does not decode ("bad request")
 _FRAME = struct.Struct("!I")
 _MAX_FRAME = 64 << 20
 _DRAIN_CHUNK = 1 << 20
@@ -86,7 +88,7 @@ class TcpOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 class TcpRequest(msgspec.Struct, frozen=True, tag="tcp_req"):
     version: int
-    op: str  # "read" | "write"
+    op: TcpOp
     target: str
     epoch: str
     spans: list[tuple[int, int, int]]  # (region, offset, length) on the server
@@ -264,8 +266,6 @@ class TcpEndpoint(TransferEndpoint):
                 f"stale target {req.target}@{req.epoch}: this server is {self._name}@{self._epoch} (peer restarted?)",
                 None,
             )
-        if req.op not in ("read", "write"):
-            return f"unknown op {req.op!r}", None
         views: list[memoryview] = []
         with self._lock:
             regions = dict(self._regions)
@@ -367,7 +367,7 @@ class TcpEndpoint(TransferEndpoint):
         if self._closed.is_set():
             raise RuntimeError(f"endpoint {self._name!r} is closed")
 
-    def _transfer(self, direction: str, peer_name: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def _transfer(self, direction: TcpOp, peer_name: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
         deadline = Deadline(deadline_s)
         table = OpTable(ops)
         with self._lock:
@@ -390,7 +390,7 @@ class TcpEndpoint(TransferEndpoint):
         return result
 
     def _run(
-        self, direction: str, peer: _Peer, table: OpTable, views: dict[int, memoryview], deadline: Deadline
+        self, direction: TcpOp, peer: _Peer, table: OpTable, views: dict[int, memoryview], deadline: Deadline
     ) -> TransferResult:
         rows = table.rows
         spans = [(r[REMOTE_REGION], r[REMOTE_OFFSET], r[LENGTH]) for r in rows]
@@ -421,7 +421,7 @@ class TcpEndpoint(TransferEndpoint):
         )
 
     def _exchange(
-        self, sock: socket.socket, direction: str, request: bytes, local: list[memoryview], deadline: Deadline
+        self, sock: socket.socket, direction: TcpOp, request: bytes, local: list[memoryview], deadline: Deadline
     ) -> tuple[int, str, bool]:
         """Run one request; returns (ops completed in order, error text or "", connection still usable)."""
         done = 0

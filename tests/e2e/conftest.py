@@ -4,7 +4,7 @@
   reused while their generator digest matches).
 - ``ray_cluster`` (session): from ``tests/ray_cluster_fixture.py`` (registered in ``tests/conftest.py``) — a head with 0 CPUs and worker
   nodes a, b, c on 127.0.0.3-5 (``cluster.local_cluster.LocalCluster``), UCX on loopback.
-- ``pool`` (module): one named ``PoolShard`` per worker node (``kvpool.shard_registry`` names), DRAM + SSD, NIXL.
+- ``pool`` (module): one named ``PoolShard`` per worker node (``kvpool.shard.registry`` names), DRAM + SSD, NIXL.
   The pytest process (an engine in it runs on the head node, which has no shard) saves to shard ``a``.
 - ``engines`` (module): an ``EngineSlot`` keeping at most one in-process vLLM engine alive — vLLM holds its KV
   connector in a process global, so two engines in one process would share one connector.
@@ -47,12 +47,12 @@ def tiny_models() -> dict[str, str]:
 @dataclass
 class Pool:
     cluster: RayCluster
-    handles: dict[str, Any]  # node name -> kvpool.shard.ShardHandle
+    handles: dict[str, Any]  # node name -> kvpool.shard.client.ShardHandle
     shard_ids: dict[str, str] = field(default_factory=dict)  # node name -> shard id
 
     def ref(self, node: str) -> Any:
-        from kvpool.connector_config import ShardRef
-        from kvpool.shard_registry import shard_actor_name
+        from kvpool.connector.config import ShardRef
+        from kvpool.shard.registry import shard_actor_name
 
         h = self.handles[node]
         return ShardRef(h.shard_id, shard_actor_name(h.node_id), h.node_id)
@@ -62,7 +62,7 @@ class Pool:
 
     def config(self, *, local: str, nodes: tuple[str, ...] = ("a", "b"), **kw: Any) -> Any:
         """Connector config with explicit shards (the pytest process sits on the head node: no shard of its own)."""
-        from kvpool.connector_config import ConnectorConfig
+        from kvpool.connector.config import ConnectorConfig
 
         return ConnectorConfig(shards=[self.ref(n) for n in nodes], local_shard=self.handles[local].shard_id, **kw)
 
@@ -78,19 +78,19 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    from kvpool.shard import ShardConfig, start_shards, stop_shards
-    from kvpool.shard_registry import SHARD_NAMESPACE, shard_actor_name
+    from kvpool.shard.placement import PoolNode, build_pool, stop_shards
+    from kvpool.shard.wire import ShardConfig
     from kvpool.store import StoreConfig
 
     ssd = tmp_path_factory.mktemp("ssd")
     names = {n.node_id: n.name for n in ray_cluster.nodes.values()}
 
-    def config(node_id: str, node_ip: str) -> ShardConfig:
-        store = StoreConfig(slot_bytes=SLOT_BYTES, dram_slots=256, ssd_dir=str(ssd / names[node_id]), ssd_slots=256)
-        return ShardConfig(shard_id=f"shard-{names[node_id]}", store=store, backend="nixl")
+    def config(node: PoolNode) -> ShardConfig:
+        name = names[node.node_id]
+        store = StoreConfig(slot_bytes=SLOT_BYTES, dram_slots=256, ssd_dir=str(ssd / name), ssd_slots=256)
+        return ShardConfig(shard_id=f"shard-{name}", store=store, backend="nixl")
 
-    handles = start_shards(config, include=lambda n: n["NodeID"] in names, actor_name=shard_actor_name,
-                           namespace=SHARD_NAMESPACE, ready_deadline_s=120.0)
+    handles = build_pool(config, nodes=names, ready_deadline_s=120.0)
     pool = Pool(ray_cluster, {names[h.node_id]: h for h in handles})
     try:
         yield pool

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.connector import KvPoolConnector
+from kvpool.connector.kv_connector import KvPoolConnector
 from kvpool.transfer.base import BlockOp
 
 FAULT: dict[str, Any] = {"mode": None, "fired": []}

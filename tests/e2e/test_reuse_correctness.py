@@ -143,7 +143,7 @@ def test_same_engine_after_hbm_reset(ctx: Ctx, model: str) -> None:
 def test_other_engine_on_other_node_via_nixl(ctx: Ctx, model: str) -> None:
     import ray
 
-    from kvpool.connector_config import ConnectorConfig
+    from kvpool.connector.config import ConnectorConfig
 
     ctx.primed(model)
     # Discovery mode: the engine finds the named shards itself; its local shard (saves) is node b's.

@@ -6,5 +6,5 @@ real interface it stands in for, and never stands in for the thing under test.
 - ``tests.fakes.serve``: Ray Serve's ``RunningReplica`` without a live actor — for ``DecisionRequestRouter``.
 - ``tests.fakes.openai_server``: an OpenAI-compatible HTTP server — for the load generator.
 - ``tests.fakes.transfer``: ``TransferEndpoint`` over this process's memory (``LoopbackEndpoint``).
-- ``tests.fakes.shard``: a source shard (``kvpool.shard_pull.PullSource``) over a real ``BlockStore`` — for the pull.
+- ``tests.fakes.shard``: a source shard (``kvpool.shard.pull.PullSource``) over a real ``BlockStore`` — for the pull.
 """

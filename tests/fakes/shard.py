@@ -1,9 +1,9 @@
-"""``StoreSource``: a source shard as the pull sees it (``kvpool.shard_pull.PullSource``), over a real
+"""``StoreSource``: a source shard as the pull sees it (``kvpool.shard.pull.PullSource``), over a real
 ``BlockStore`` of this process whose arena is registered on a ``tests.fakes.transfer.LoopbackEndpoint``.
 
 It can be dead (every call raises ``ShardDeadError``), frozen (every call waits out its deadline, then raises
 ``ShardUnavailableError``) or refuse leases (``PullSourceError``). Used by tests/unit/test_shard_pull.py, where the
-pull (``kvpool.shard_pull.Puller``) is under test and the source shard is its neighbour.
+pull (``kvpool.shard.pull.Puller``) is under test and the source shard is its neighbour.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Literal
 
-from kvpool.shard import LeaseReply, ShardDeadError, ShardUnavailableError
-from kvpool.shard_pull import PullSource, PullSourceError
+from kvpool.shard.wire import LeaseReply, ShardDeadError, ShardUnavailableError
+from kvpool.shard.pull import PullSource, PullSourceError
 from kvpool.store import BlockStore
 from kvpool.transfer import encode_metadata
 from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric

@@ -26,14 +26,9 @@ import ray
 from kvpool.checksum import block_checksum
 from kvpool.directory import Directory, DirectorySync
 from kvpool.keys import Namespace, block_keys
-from kvpool.shard import (
-    ShardClient,
-    ShardConfig,
-    ShardHandle,
-    ShardUnavailableError,
-    start_shards,
-    stop_shards,
-)
+from kvpool.shard.client import ShardClient, ShardHandle
+from kvpool.shard.placement import PoolNode, build_pool, stop_shards
+from kvpool.shard.wire import ShardConfig, ShardUnavailableError
 from kvpool.store import StoreConfig
 from kvpool.transfer import make_endpoint
 from kvpool.transfer.nixl import NixlOptions
@@ -157,13 +152,13 @@ def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory, requ
     backend = request.param
     root = tmp_path_factory.mktemp(f"pool-{backend}")
 
-    def config(node_id: str, node_ip: str) -> ShardConfig:
-        name = ray_cluster.by_ip(node_ip).name
+    def config(node: PoolNode) -> ShardConfig:
+        name = ray_cluster.by_ip(node.node_ip).name
         store = StoreConfig(slot_bytes=SLOT, dram_slots=DRAM_SLOTS, ssd_dir=os.fspath(root / name),
                             ssd_slots=SSD_SLOTS, reservation_ttl_s=60.0)
         return shard_config(f"{backend}-{name}", store, backend)
 
-    shards = start_shards(config, ready_deadline_s=120.0)
+    shards = build_pool(config, named=False, ready_deadline_s=120.0)
     p = Pool(ray_cluster, backend, shards)
     yield p
     for a in p.actors:
@@ -352,12 +347,11 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
     # A dedicated shard on node c (the module's shards stay up), 32 x 1 MiB blocks to make the reads long.
     big = 1 << 20
 
-    def config(node_id: str, node_ip: str) -> ShardConfig:
+    def config(node: PoolNode) -> ShardConfig:
         store = StoreConfig(slot_bytes=big, dram_slots=32, reservation_ttl_s=60.0)
         return shard_config(f"{pool.backend}-victim", store, pool.backend)
 
-    victim = start_shards(config, include=lambda n: n["NodeManagerAddress"] == ray_cluster.nodes["c"].ip,
-                          ready_deadline_s=120.0)[0]
+    victim = build_pool(config, nodes=[ray_cluster.nodes["c"].node_id], named=False, ready_deadline_s=120.0)[0]
     client = victim.client(deadline_s=DEADLINE_S * 4)
     reader_big = pool.buffer_actor("b", f"reader-big-{pool.backend}", 32 * big)
     ray.get(reader_big.add_peer.remote(client.transfer_metadata()), timeout=60)

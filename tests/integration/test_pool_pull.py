@@ -1,6 +1,6 @@
 """``pull`` on a real 3-node Ray cluster: a shard copies blocks from a peer shard into its own arena over NIXL.
 
-Shards are named actors (``kvpool.shard_registry``) in a test namespace, so the target resolves its source by id
+Shards are named actors (``kvpool.shard.registry``) in a test namespace, so the target resolves its source by id
 the way it does in a deployment. The test process writes blocks into a source shard (reserve → NIXL write →
 commit) and reads blocks back from the target (lease → NIXL read → checksum) with its own endpoint. Checked: bytes
 pulled into B equal A's; a second pull reports them present; a source holding part of the list gives its prefix; a
@@ -27,18 +27,9 @@ import ray
 
 from kvpool.checksum import block_checksum
 from kvpool.keys import Namespace, block_keys
-from kvpool.shard import (
-    _ENC,
-    PullReply,
-    PullRequest,
-    ShardClient,
-    ShardConfig,
-    ShardHandle,
-    _decode,
-    start_shards,
-    stop_shards,
-)
-from kvpool.shard_registry import shard_actor_name
+from kvpool.shard.client import ShardClient, ShardHandle
+from kvpool.shard.placement import PoolNode, build_pool, stop_shards
+from kvpool.shard.wire import PullReply, PullRequest, ShardConfig, decode, encode
 from kvpool.store import StoreConfig
 from kvpool.transfer import BlockOp, decode_metadata, make_endpoint
 from kvpool.transfer.nixl import NixlOptions
@@ -142,17 +133,13 @@ class Shards:
 def start_named(cluster: RayCluster, namespace: str, store_for: dict[str, StoreConfig], backend: str = "nixl"
                 ) -> list[ShardHandle]:
     """One named shard on each node in ``store_for``, finding its peers in ``namespace``."""
-    nodes = {cluster.nodes[name].ip for name in store_for}
-
-    def config(node_id: str, node_ip: str) -> ShardConfig:
+    def config(node: PoolNode) -> ShardConfig:
         nixl = NixlOptions(ucx_devices="lo") if backend == "nixl" else None
-        return ShardConfig(
-            shard_id=node_id[:12], store=store_for[cluster.by_ip(node_ip).name], backend=backend,
-            sweep_interval_s=0.2, nixl=nixl, registry_namespace=namespace,
-        )
+        return ShardConfig(shard_id=node.node_id[:12], store=store_for[cluster.by_ip(node.node_ip).name],
+                           backend=backend, sweep_interval_s=0.2, nixl=nixl)
 
-    return start_shards(config, include=lambda n: n["NodeManagerAddress"] in nodes, actor_name=shard_actor_name,
-                        namespace=namespace, ready_deadline_s=120.0)
+    return build_pool(config, nodes=[cluster.nodes[name].node_id for name in store_for], namespace=namespace,
+                      ready_deadline_s=120.0)
 
 
 def running_shards(cluster: RayCluster, namespace: str, store_for: dict[str, StoreConfig], backend: str = "nixl"
@@ -270,7 +257,7 @@ def test_target_equals_source_raises(pool: Shards) -> None:
     keys = keys_for(1, "self")
     with pytest.raises(ValueError, match="same shard"):
         pool.client("b").pull(pool.id("b"), keys, FP, deadline_s=1.0)
-    raw = _ENC.encode(PullRequest(pool.id("b"), keys, FP, 1.0))  # the shard refuses too, not only the client
+    raw = encode(PullRequest(pool.id("b"), keys, FP, 1.0))  # the shard refuses too, not only the client
     with pytest.raises(ValueError, match="same shard"):
         ray.get(pool.by_node["b"].actor.pull.remote(raw), timeout=30)
 
@@ -307,13 +294,13 @@ def test_frozen_then_killed_source(faults: Shards) -> None:
         rep = faults.client("a").pull(victim.shard_id, keys, FP, deadline_s=2.0, lease_ttl_s=3.0)
         took = time.monotonic() - t0
         # More pulls stuck on the frozen source than the actor has threads: its control path still answers.
-        raw = _ENC.encode(PullRequest(victim.shard_id, keys, FP, 2.0, 3.0))
+        raw = encode(PullRequest(victim.shard_id, keys, FP, 2.0, 3.0))
         stuck = [faults.by_node["a"].actor.pull.remote(raw) for _ in range(10)]
         time.sleep(0.3)  # without a concurrency group of their own, every actor thread now waits ~1.7 s more
         t1 = time.monotonic()
         faults.client("a").lookup(keys, FP)
         lookup_s = time.monotonic() - t1
-        stuck_replies = [_decode(r, PullReply) for r in ray.get(stuck, timeout=60)]
+        stuck_replies = [decode(r, PullReply) for r in ray.get(stuck, timeout=60)]
     finally:
         os.kill(pid, signal.SIGCONT)
     print(f"\n[pull] frozen source: error reply after {took:.2f}s (deadline 2.0s): {rep.error[:100]}; a lookup "

@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 
-from kvpool.connector_config import ConnectorConfig, ShardRef  # noqa: E402
-from kvpool.connector_layout import (  # noqa: E402
+from kvpool.connector.config import ConnectorConfig, ShardRef  # noqa: E402
+from kvpool.connector.layout import (  # noqa: E402
     TensorInfo,
     derive_layout,
     group_kinds,

@@ -305,7 +305,7 @@ REQUIRED_OBJECTS: list[tuple[str, Callable[[Any], bool]]] = [
     ("deployments.replica:VLLMReplica", inspect.isclass),
     ("router.ingress:OpenAIIngress", inspect.isclass),
     ("deployments.request_router:DecisionRequestRouter", _is_request_router),
-    ("kvpool.shard:PoolShard", inspect.isclass),
+    ("kvpool.shard.actor:PoolShard", inspect.isclass),
 ]
 
 

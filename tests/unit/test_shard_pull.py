@@ -1,4 +1,4 @@
-"""The pull mechanism (``kvpool.shard_pull.Puller``) between two real ``BlockStore``s of this process.
+"""The pull mechanism (``kvpool.shard.pull.Puller``) between two real ``BlockStore``s of this process.
 
 Bytes move through ``tests.fakes.transfer.LoopbackEndpoint`` (the transfer interface over local memory) and the
 source is ``tests.fakes.shard.StoreSource`` (the pull-source interface over a real store), so the pull's own logic is
@@ -19,8 +19,8 @@ import pytest
 
 from kvpool.checksum import block_checksum
 from kvpool.keys import Namespace, block_keys
-from kvpool.shard import PullRequest, ShardUnavailableError
-from kvpool.shard_pull import Puller, check_pull
+from kvpool.shard.pull import Puller
+from kvpool.shard.wire import PullRequest, ShardUnavailableError, check_pull
 from kvpool.store import BlockStore, StoreConfig
 from tests.fakes.shard import StoreSource
 from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric

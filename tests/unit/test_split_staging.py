@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deployments.split_staging import stage_split
-from kvpool.shard import PullReply
+from kvpool.shard.wire import PullReply
 from router.wire import FetchPlanMsg
 
 BS = 4

@@ -3,7 +3,7 @@
 vLLM's model runner (one per worker process; in-process engines: the engine-core process) calls, through
 ``KvPoolConnector``:
 - ``register_kv_caches(kv_caches)`` once after allocating the KV cache: derives the ``KvLayout`` from the tensors
-  and the KV cache config (``kvpool.connector_layout``) and REFUSES to start (raises) on an unknown layout kind,
+  and the KV cache config (``kvpool.connector.layout``) and REFUSES to start (raises) on an unknown layout kind,
   a layout it cannot describe exactly, or a local shard whose slots are too small for one block. Then it registers
   every KV storage with a transfer endpoint (``kvpool.transfer``), so bytes move straight between the shard's
   arena and the KV cache blocks.
@@ -31,8 +31,8 @@ import msgspec
 import numpy as np
 
 from kvpool.checksum import block_checksum
-from kvpool.connector_config import ConnectorConfig
-from kvpool.connector_layout import (
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.layout import (
     GroupSpans,
     PoolGeometry,
     derive_layout,
@@ -41,8 +41,8 @@ from kvpool.connector_layout import (
     pool_plan,
     tensor_info,
 )
-from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
-from kvpool.connector_pool import PoolShards
+from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
+from kvpool.connector.pool import PoolShards
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
 

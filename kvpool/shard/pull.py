@@ -1,14 +1,15 @@
 """Pull: a pool shard copies blocks from a peer shard into its own DRAM arena (the one transfer a shard initiates).
 
-Who calls what: ``PoolShard.pull`` (``kvpool.shard``) hands every ``PullRequest`` to its one ``Puller``; clients call
-``ShardClient.pull`` (sync) or ``AsyncShardClient.pull`` (async, on an event loop). Callers: the replica for the
-router's SPLIT action (the tail of a prefix is pulled into the shard on the replica's node while vLLM computes the
-head; vLLM's connector then loads it from that local shard), and anyone who wants blocks replicated onto a node.
+Who calls what: ``PoolShard.pull`` (``kvpool.shard.actor``) hands every ``PullRequest`` to its one ``Puller``;
+clients call ``ShardClient.pull`` (sync) or ``AsyncShardClient.pull`` (async, on an event loop). Callers: the
+replica for the router's SPLIT action (the tail of a prefix is pulled into the shard on the replica's node while
+vLLM computes the head; vLLM's connector then loads it from that local shard), and anyone who wants blocks
+replicated onto a node. The source is reached through ``kvpool.shard.client.ShardClient`` (``ActorSource``).
 
 Mechanism, on the target shard (one actor thread per pull; the store lock is held only around store calls, never
 while a Ray call or a transfer waits):
 1. Keys this shard already holds under the fingerprint are skipped (``present``).
-2. The source is resolved by id (``named_shard_resolver``: the named actors of ``kvpool.shard_registry``) and cached
+2. The source is resolved by id (``named_shard_resolver``: ``kvpool.shard.registry.find_shard``) and cached
    per id; a cached handle that turns out dead is dropped and resolved once more within the deadline.
 3. ``lease`` the rest on the source: it pins the longest prefix it holds; only that is pulled (the remainder is
    ``missing``). The reply must come from the shard asked for, and every leased block must be exactly this shard's
@@ -27,7 +28,7 @@ Deadlines: ``deadline_s`` bounds the whole pull (clamped to this store's reserva
 cannot expire under a running read); every Ray call and the read get the time that is left. A dead, frozen or
 unknown source is a reply with ``failed`` = the blocks asked for and ``error`` set, within the deadline: never a
 hang and never an exception. An invalid request (target == source, empty fingerprint, a key of the wrong length, a
-non-positive deadline, a lease TTL shorter than the deadline) raises ``ValueError`` (``check_pull``).
+non-positive deadline, a lease TTL shorter than the deadline) raises ``ValueError`` (``kvpool.shard.wire.check_pull``).
 
 Known limits: the first resolution of a source lists the GCS's named actors on a helper thread, waited for with
 the deadline (a hung GCS keeps that one thread waiting, not the pull). A lease whose reply came too late stays
@@ -38,33 +39,27 @@ pinned on the source until its TTL. Bytes of a read that was cancelled at its de
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import ray
 
-from kvpool.keys import KEY_BYTES
-from kvpool.shard import (
-    _ENC,
-    AckReply,
+from kvpool.shard.client import ShardClient
+from kvpool.shard.registry import find_shard
+from kvpool.shard.wire import (
     LeaseReply,
-    LeaseRequest,
     PullReply,
     PullRequest,
-    ReleaseRequest,
     ShardDeadError,
     ShardUnavailableError,
     WireVersionError,
-    _decode,
-    _get,
+    check_pull,
 )
-from kvpool.shard_registry import SHARD_PREFIX
 from kvpool.store import BlockStore
 from kvpool.transfer.base import BlockOp, StaleMetadataError, TransferEndpoint, decode_metadata
 
@@ -104,77 +99,51 @@ class PullSource(Protocol):
 Resolver = Callable[[str], PullSource]
 
 
-def check_pull(target_shard_id: str, req: PullRequest) -> None:
-    """Refuse a request that can never succeed (``ValueError``); the client checks before sending, the shard again."""
-    if not req.source_shard_id:
-        raise ValueError("pull: empty source shard id")
-    if req.source_shard_id == target_shard_id:
-        raise ValueError(f"pull: source and target are the same shard {target_shard_id!r}; a shard cannot pull from "
-                         "itself")
-    if not req.fingerprint:
-        raise ValueError("pull: empty layout fingerprint")
-    if not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
-        raise ValueError(f"pull: deadline_s must be a positive number of seconds, got {req.deadline_s}")
-    if not (math.isfinite(req.lease_ttl_s) and req.lease_ttl_s >= req.deadline_s):
-        raise ValueError(f"pull: lease_ttl_s ({req.lease_ttl_s}) must cover deadline_s ({req.deadline_s})")
-    for k in req.keys:
-        if len(k) != KEY_BYTES:
-            raise ValueError(f"pull: block keys are {KEY_BYTES} bytes, got {len(k)}")
-
-
 # ---------------------------------------------------------------------------------------------- the source side
 class ActorSource:
-    """A source shard reached through its Ray actor handle (typed, versioned, deadline-bounded calls)."""
+    """A source shard reached through its actor (``ShardClient``: typed, versioned, deadline-bounded calls); an error
+    raised inside the source is a ``PullSourceError``."""
 
-    def __init__(self, handle: Any, shard_id: str) -> None:
-        self.handle = handle
-        self.shard_id = shard_id
+    def __init__(self, client: ShardClient) -> None:
+        self.client = client
+        self.shard_id = client.shard_id
 
-    def _get(self, ref: Any, deadline_s: float, what: str) -> bytes:
-        try:
-            return _get(ref, max(deadline_s, 0.0), f"source shard {self.shard_id}.{what}")
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None) or exc
-            raise PullSourceError(f"source shard {self.shard_id}.{what} refused: {cause}") from exc
+    def _refused(self, what: str, exc: ray.exceptions.RayTaskError) -> PullSourceError:
+        cause = getattr(exc, "cause", None) or exc
+        return PullSourceError(f"source shard {self.shard_id}.{what} refused: {cause}")
 
     def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float, deadline_s: float) -> LeaseReply:
-        ref = self.handle.lease.remote(_ENC.encode(LeaseRequest(keys, fingerprint, ttl_s)))
-        return _decode(self._get(ref, deadline_s, "lease"), LeaseReply)
+        try:
+            return self.client.lease(keys, fingerprint, ttl_s, deadline_s=max(deadline_s, 0.0))
+        except ray.exceptions.RayTaskError as exc:
+            raise self._refused("lease", exc) from exc
 
     def release(self, lease_id: int, deadline_s: float) -> bool:
-        ref = self.handle.release.remote(_ENC.encode(ReleaseRequest(lease_id)))
         if deadline_s <= 0:
+            self.client.release_nowait(lease_id)
             return False  # sent; Ray delivers it in order after the lease
         try:
-            return _decode(self._get(ref, deadline_s, "release"), AckReply).ok
-        except (ShardUnavailableError, PullSourceError, WireVersionError) as exc:
-            log.warning("pull: release of lease %d on %s: %s (the lease expires on its own)", lease_id,
-                        self.shard_id, exc)
-            return False
+            return self.client.release(lease_id, deadline_s=deadline_s)
+        except ray.exceptions.RayTaskError as exc:
+            err: Exception = self._refused("release", exc)
+        except (ShardUnavailableError, WireVersionError) as exc:
+            err = exc
+        log.warning("pull: release of lease %d on %s: %s (the lease expires on its own)", lease_id, self.shard_id, err)
+        return False
 
     def transfer_metadata(self, deadline_s: float) -> bytes:
-        return self._get(self.handle.transfer_metadata.remote(), deadline_s, "transfer_metadata")
+        try:
+            return self.client.transfer_metadata(deadline_s=max(deadline_s, 0.0))
+        except ray.exceptions.RayTaskError as exc:
+            raise self._refused("transfer_metadata", exc) from exc
 
 
 def named_shard_resolver(namespace: str) -> Resolver:
-    """Shard id → ``ActorSource`` through the named actors ``kvstack-pool-<node id>`` of ``namespace``; the shard id is
-    the node id or its first 12 characters (``kvpool.shard_registry`` / ``deployments.pool_setup``). Raises
-    ``ShardUnavailableError`` when no such actor lives."""
+    """Shard id → ``ActorSource`` through the named shard actors of ``namespace`` (``kvpool.shard.registry``; the
+    shard id is the node id or its first 12 characters). Raises ``ShardUnavailableError`` when no such actor lives."""
 
     def resolve(shard_id: str) -> PullSource:
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            name = entry["name"]
-            if entry["namespace"] != namespace or not name.startswith(SHARD_PREFIX):
-                continue
-            node_id = name[len(SHARD_PREFIX) :]
-            if shard_id not in (node_id, node_id[:12]):
-                continue
-            try:
-                return ActorSource(ray.get_actor(name, namespace=namespace), shard_id)
-            except ValueError:  # died between listing and lookup
-                continue
-        raise ShardUnavailableError(f"unknown source shard {shard_id!r}: no live actor {SHARD_PREFIX}<node id> for it "
-                                    f"in namespace {namespace!r}")
+        return ActorSource(find_shard(shard_id, namespace).client())
 
     return resolve
 

@@ -1,8 +1,9 @@
 """The connector's handle on the pool shards: named Ray actors resolved lazily, parallel deadline-bounded lookups.
 
 Who calls what: the connector's scheduler role (lookups, leases, releases) and worker role (transfer metadata,
-reserve / commit / abort of saves) each own one ``PoolShards``. Single calls go through ``kvpool.shard.ShardClient``
-(typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip. A shard that does
+reserve / commit / abort of saves) each own one ``PoolShards``. Every call goes through ``kvpool.shard.client``
+(typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip
+(``kvpool.shard.client.lookup_many``). A shard that does
 not answer is a miss on the read path (``ShardUnavailableError`` is caught by the callers), never a crash.
 """
 
@@ -13,9 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
-from kvpool.connector_config import ConnectorConfig, ShardRef
+from kvpool.connector.config import ConnectorConfig, ShardRef
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +37,14 @@ class PoolShards:
         return list(self._refs)
 
     def _maybe_discover(self, force: bool = False) -> None:
-        """Refresh the shard list from the named actors of ``kvpool.shard_registry`` (discovery mode only)."""
+        """Refresh the shard list from the named actors of ``kvpool.shard.registry`` (discovery mode only)."""
         now = time.monotonic()
         if not self._discover or (not force and self._refs and now - self._discovered_at < REDISCOVER_S):
             return
         if now - self._discovered_at < 1.0:
             return
         self._discovered_at = now
-        from kvpool.shard_registry import list_shards, shard_actor_name
+        from kvpool.shard.registry import list_shards, shard_actor_name
 
         try:
             self.ensure_ray()
@@ -59,7 +58,7 @@ class PoolShards:
         """Connect this process to the Ray cluster (``ShardUnavailableError`` when there is none to join)."""
         import ray
 
-        from kvpool.shard import ShardUnavailableError
+        from kvpool.shard.wire import ShardUnavailableError
 
         if ray.is_initialized():
             return
@@ -75,7 +74,8 @@ class PoolShards:
 
     def client(self, shard_id: str) -> Any:
         """``ShardClient`` of a shard (``ShardUnavailableError`` if its actor cannot be found)."""
-        from kvpool.shard import ShardClient, ShardUnavailableError
+        from kvpool.shard.client import ShardClient
+        from kvpool.shard.wire import ShardUnavailableError
 
         client = self._clients.get(shard_id)
         if client is not None:
@@ -109,7 +109,7 @@ class PoolShards:
             return self._local
         if self._local_resolved and not self._discover:
             return None
-        from kvpool.shard import ShardUnavailableError
+        from kvpool.shard.wire import ShardUnavailableError
 
         try:
             self.ensure_ray()
@@ -133,35 +133,23 @@ class PoolShards:
     ) -> list[Any]:
         """Run ``lookup(keys)`` on each ``(shard_id, keys)`` at once; the ``LookupResult`` of each, or None where the
         shard failed or did not answer within ``deadline_s``."""
-        import ray
+        from kvpool.shard.client import ShardClient, lookup_many
+        from kvpool.shard.wire import LookupReply, ShardUnavailableError
 
-        from kvpool.shard import POOL_WIRE_VERSION, LookupReply, LookupRequest, ShardUnavailableError
-
-        enc = msgspec.msgpack.Encoder()
-        refs: list[Any] = []
-        for shard_id, keys in calls:
+        clients: list[ShardClient | None] = []
+        for shard_id, _ in calls:
             try:
-                handle = self.client(shard_id).handle
-                refs.append(handle.lookup.remote(enc.encode(LookupRequest([bytes(k) for k in keys], fingerprint))))
+                clients.append(self.client(shard_id))
             except ShardUnavailableError as exc:
                 log.warning("kvpool connector: lookup on %s skipped: %s", shard_id, exc)
-                refs.append(None)
-        live = [r for r in refs if r is not None]
-        ready: set[Any] = set()
-        if live:
-            done, _ = ray.wait(live, num_returns=len(live), timeout=deadline_s)
-            ready = set(done)
+                clients.append(None)
+        sent = [(c, keys) for c, (_, keys) in zip(clients, calls, strict=True) if c is not None]
+        replies = iter(lookup_many(sent, fingerprint, deadline_s))
         out: list[Any] = []
-        for (shard_id, _), ref in zip(calls, refs, strict=True):
-            if ref is None or ref not in ready:
-                out.append(None)
-                continue
-            try:
-                reply = msgspec.msgpack.decode(ray.get(ref, timeout=0), type=LookupReply)
-            except Exception as exc:  # a dead actor or a reply we cannot read: a miss, never data
-                log.warning("kvpool connector: lookup on %s failed: %s", shard_id, exc)
+        for (shard_id, _), c in zip(calls, clients, strict=True):
+            reply = None if c is None else next(replies)
+            if isinstance(reply, Exception):  # a dead actor or a reply we cannot read: a miss, never data
+                log.warning("kvpool connector: lookup on %s failed: %s", shard_id, reply)
                 self.forget(shard_id)
-                out.append(None)
-                continue
-            out.append(reply.result if reply.version == POOL_WIRE_VERSION else None)
+            out.append(reply.result if isinstance(reply, LookupReply) else None)
         return out

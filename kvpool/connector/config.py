@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 CONNECTOR_NAME = "KvPoolConnector"
-CONNECTOR_MODULE = "kvpool.connector"
+CONNECTOR_MODULE = "kvpool.connector.kv_connector"  # vLLM's kv_connector_module_path (the one place it is set)
 EXTRA_KEY = "kvpool"  # kv_connector_extra_config = {"kvpool": <ConnectorConfig as builtins>}
 
 
@@ -30,7 +30,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     - ``model_id``: the block-key namespace's model id ("" = vLLM's served model name).
     - ``shards``: every pool shard the connector may read from; empty = discover the named shards of
-      ``kvpool.shard_registry`` (one per node, refreshed when a shard is missing). ``local_shard`` (or, when empty,
+      ``kvpool.shard.registry`` (one per node, refreshed when a shard is missing). ``local_shard`` (or, when empty,
       the shard whose ``node_id`` is this process's Ray node) receives saves. ``lookup_remote``: also look up the other shards
       (one parallel round trip); off = local shard only (a router plan can still name another shard).
     - ``ray_address`` / ``node_id``: for an engine core that is not itself a Ray worker (vLLM's multiprocess mode
@@ -45,7 +45,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_id: str = ""
     local_shard: str = ""
     lookup_remote: bool = True
-    ray_namespace: str = "kvstack"  # where the named shard actors live (kvpool.shard_registry.SHARD_NAMESPACE)
+    ray_namespace: str = "kvstack"  # where the named shard actors live (kvpool.shard.wire.SHARD_NAMESPACE)
     ray_address: str = ""
     node_id: str = ""
     backend: Literal["nixl", "tcp"] = "nixl"

@@ -1,24 +1,24 @@
 """``KvPoolConnector``: vLLM's KV connector (v1 API) for the kvstack cluster KV pool.
 
-Registered from outside vLLM (``kvpool.connector_config.kv_transfer_config`` builds the config)::
+Registered from outside vLLM (``kvpool.connector.config.kv_transfer_config`` builds the config)::
 
-    KVTransferConfig(kv_connector="KvPoolConnector", kv_connector_module_path="kvpool.connector",
+    KVTransferConfig(kv_connector="KvPoolConnector", kv_connector_module_path="kvpool.connector.kv_connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"kvpool": ConnectorConfig(...) as builtins})
 
 vLLM creates one instance per role; this class only dispatches (one file per role):
-- Scheduler role (``kvpool.connector_scheduler.SchedulerSide``), called by vLLM's scheduler:
+- Scheduler role (``kvpool.connector.scheduler.SchedulerSide``), called by vLLM's scheduler:
   ``get_num_new_matched_tokens`` (side-effect free pool lookup), ``update_state_after_alloc`` (lease),
   ``build_connector_meta`` (loads, saves, releases on preemption), ``request_finished`` /
   ``request_finished_all_groups`` (release on finish and abort), ``set_xfer_handshake_metadata`` (the layout).
-- Worker role (``kvpool.connector_worker.WorkerSide``), called by vLLM's model runner:
+- Worker role (``kvpool.connector.worker.WorkerSide``), called by vLLM's model runner:
   ``register_kv_caches`` (derive + verify the layout, refuse to start when unsure, register memory for transfers),
   ``get_handshake_metadata``, ``start_load_kv``, ``wait_for_layer_load`` (no-op: a load completes inside
   ``start_load_kv``), ``save_kv_layer`` (no-op: saves run once per step in ``wait_for_save``), ``wait_for_save``,
   ``get_transfer_results``, ``get_block_ids_with_load_errors``.
 The replica reads the worker's finished-load timings with ``engine.collective_rpc(drain_transfer_records)``
 (encoded ``TransferRecord``s; the routers calibrate their tier prices with them).
-Messages between the roles: ``kvpool.connector_meta``. Hybrid models (several KV cache groups) are supported
+Messages between the roles: ``kvpool.connector.meta``. Hybrid models (several KV cache groups) are supported
 (``SupportsHMA``): full-attention blocks per block plus the linear-state snapshot at a block boundary.
 """
 
@@ -36,10 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connector_config import ConnectorConfig
-from kvpool.connector_meta import KvPoolMetadata, TransferRecord
-from kvpool.connector_scheduler import SchedulerSide
-from kvpool.connector_worker import WorkerSide
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.meta import KvPoolMetadata, TransferRecord
+from kvpool.connector.scheduler import SchedulerSide
+from kvpool.connector.worker import WorkerSide
 
 
 class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):

@@ -34,10 +34,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.connector_config import ConnectorConfig
-from kvpool.connector_layout import PoolPlan, group_kinds, pool_plan, state_key
-from kvpool.connector_meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
-from kvpool.connector_pool import PoolShards
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
+from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
+from kvpool.connector.pool import PoolShards
 from kvpool.keys import BlockKey, Namespace, chain_keys
 from kvpool.layout import KvLayout
 from kvpool.events import Tier

@@ -1,0 +1,229 @@
+"""The pool shard actor: one Ray actor per node wrapping a ``BlockStore``, its DRAM arena registered with a transfer
+endpoint. Started and stopped by ``kvpool.shard.placement``; called only through ``kvpool.shard.client``.
+
+What its methods serve (every request and reply is a ``kvpool.shard.wire`` struct as msgpack bytes):
+- The vLLM connector's scheduler side calls ``lookup`` (side-effect free), ``lease`` / ``release``; its save path
+  calls ``reserve``, writes the blocks with its own transfer endpoint into the shard's arena at the reserved
+  offsets, then ``commit`` (or ``abort``). Its worker side ``add_peer``s ``transfer_metadata()`` and reads leased
+  blocks at the returned offsets of ``region_id``.
+- A replica ``touch``es the pool blocks of a prefix its engine served from its own HBM (without waiting), so a
+  prefix that stays hot in HBM does not age out of the pool meanwhile.
+- A replica (the router's SPLIT action: fetch the tail while the head is computed) or an operator asks a shard to
+  ``pull`` blocks from a peer shard. This is the ONLY time a shard initiates a transfer: it leases the blocks on
+  the source, reads them with its own endpoint into reserved slots of its arena, commits the ones whose checksums
+  match and always releases the lease (``kvpool.shard.pull``). Every other transfer is initiated by a client.
+- The router's cluster view pulls ``events_since`` / ``snapshot``.
+- Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
+  tests and draining read ``entry_info`` and call ``demote``.
+
+A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``);
+one lock serializes the store. Lease and reservation expiry run on a background sweeper thread every
+``sweep_interval_s``, so expiry does not wait for the next request. ``pull`` runs in its own concurrency group
+(``PULL_CONCURRENCY`` threads; more pulls queue there): a pull waits on its source for up to its deadline, and
+pulls stuck on a frozen source must not starve ``lookup`` / ``lease`` of the connectors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import ray
+
+from kvpool.checksum import CHECKSUM_ALGO
+from kvpool.metrics import PoolMetrics
+from kvpool.shard.pull import Puller, named_shard_resolver
+from kvpool.shard.wire import (
+    AbortRequest,
+    AckReply,
+    CommitReply,
+    CommitRequest,
+    CountReply,
+    DemoteRequest,
+    EntryReply,
+    EventsRequest,
+    LeaseReply,
+    LeaseRequest,
+    LookupReply,
+    LookupRequest,
+    PullRequest,
+    ReleaseRequest,
+    ReserveReply,
+    ReserveRequest,
+    ShardConfig,
+    ShardInfo,
+    StatsReply,
+    TouchRequest,
+    WireVersionError,
+    decode,
+    encode,
+)
+from kvpool.store import BlockStore
+from kvpool.transfer.nixl import NixlOptions
+from kvpool.transfer.tcp import TcpOptions
+
+log = logging.getLogger(__name__)
+
+PULL_CONCURRENCY = 4  # pulls run in their own Ray concurrency group of this many threads (see the module doc)
+
+
+class PoolShard:
+    """Ray actor body (see ``PoolShardActor``). Methods take and return msgpack bytes of ``kvpool.shard.wire``
+    structs."""
+
+    def __init__(self, config: bytes) -> None:
+        cfg = msgspec.msgpack.decode(config, type=ShardConfig)
+        self.config = cfg
+        self.metrics = PoolMetrics(cfg.shard_id)
+        self.store = BlockStore(cfg.store, shard_id=cfg.shard_id, metrics=self.metrics)
+        self._lock = threading.Lock()
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.agent_name = f"kvpool-{cfg.shard_id}"
+        self.endpoint: Any = None
+        self.region_id = -1
+        if cfg.backend != "none":
+            from kvpool.transfer import make_endpoint
+
+            options: NixlOptions | TcpOptions
+            if cfg.backend == "nixl":
+                options = cfg.nixl or NixlOptions()
+            else:
+                options = cfg.tcp or TcpOptions(bind_host=self.node_ip)
+            self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=options)
+            self.region_id = self.endpoint.register(self.store.arena.buffer)
+        self._puller = Puller(
+            self.store, self._lock, self.endpoint, self.region_id, named_shard_resolver(cfg.registry_namespace)
+        )
+        self._http: Any = None
+        if cfg.metrics_port > 0:
+            from prometheus_client import start_http_server
+
+            self._http, _ = start_http_server(cfg.metrics_port, registry=self.metrics.registry)
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name=f"sweep-{cfg.shard_id}", daemon=True)
+        self._sweeper.start()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            try:
+                with self._lock:
+                    self.store.sweep()
+            except Exception:  # keep sweeping; a failing sweep is logged, never fatal
+                log.exception("shard %s: sweep failed", self.config.shard_id)
+
+    def info(self) -> bytes:
+        return encode(
+            ShardInfo(
+                self.config.shard_id, self.store.epoch, self.node_id, self.node_ip, self.config.backend,
+                self.agent_name, self.region_id, self.config.store.slot_bytes,
+            )
+        )
+
+    def transfer_metadata(self) -> bytes:
+        """``kvpool.transfer.encode_metadata`` of this shard's endpoint (peers ``add_peer`` it)."""
+        if self.endpoint is None:
+            raise RuntimeError(f"shard {self.config.shard_id} runs without a transfer endpoint (backend 'none')")
+        from kvpool.transfer import encode_metadata
+
+        return encode_metadata(self.endpoint.metadata())
+
+    def lookup(self, raw: bytes) -> bytes:
+        req = decode(raw, LookupRequest)
+        with self._lock:
+            res = self.store.lookup(req.keys, req.fingerprint)
+        return encode(LookupReply(self.config.shard_id, self.store.epoch, res))
+
+    def lease(self, raw: bytes) -> bytes:
+        req = decode(raw, LeaseRequest)
+        with self._lock:
+            lease = self.store.lease(req.keys, req.fingerprint, req.ttl_s)
+        return encode(LeaseReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, lease))
+
+    def touch(self, raw: bytes) -> bytes:
+        """``TouchRequest`` → ``CountReply``: how many of its keys are held here (callers usually do not wait)."""
+        req = decode(raw, TouchRequest)
+        with self._lock:
+            return encode(CountReply(self.store.touch(req.keys, req.fingerprint)))
+
+    def release(self, raw: bytes) -> bytes:
+        req = decode(raw, ReleaseRequest)
+        with self._lock:
+            ok = self.store.release(req.lease_id)
+        return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
+
+    def reserve(self, raw: bytes) -> bytes:
+        req = decode(raw, ReserveRequest)
+        with self._lock:
+            res = self.store.reserve(req.n)
+        return encode(
+            ReserveReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, res)
+        )
+
+    def commit(self, raw: bytes) -> bytes:
+        req = decode(raw, CommitRequest)
+        if req.checksum_algo != CHECKSUM_ALGO:
+            raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
+        with self._lock:
+            res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint)
+        return encode(CommitReply(self.config.shard_id, self.store.epoch, res))
+
+    def abort(self, raw: bytes) -> bytes:
+        req = decode(raw, AbortRequest)
+        with self._lock:
+            ok = self.store.abort(req.reservation_id)
+        return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
+
+    def events_since(self, raw: bytes) -> bytes:
+        req = decode(raw, EventsRequest)
+        with self._lock:
+            return encode(self.store.events_since(req.after_seq, req.max_events))
+
+    def snapshot(self) -> bytes:
+        with self._lock:
+            return encode(self.store.snapshot())
+
+    @ray.method(concurrency_group="pull")
+    def pull(self, raw: bytes) -> bytes:
+        """``PullRequest`` → ``PullReply`` (``kvpool.shard.pull``); the store lock is not held while bytes move."""
+        req = decode(raw, PullRequest)
+        return encode(self._puller.pull(req))
+
+    def stats(self) -> bytes:
+        with self._lock:
+            st = self.store.stats()
+        return encode(StatsReply(msgspec.structs.replace(st, counters={**st.counters, **self._puller.counters()})))
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.exposition()
+
+    def entry_info(self, key: bytes) -> bytes:
+        """Where one block lies (tests and debugging; e.g. the slab path and offset of an SSD block)."""
+        with self._lock:
+            return encode(EntryReply(self.store.entry_info(key)))
+
+    def demote(self, raw: bytes) -> bytes:
+        """``DemoteRequest`` → ``CountReply``: move these unpinned DRAM blocks to SSD now (draining, tests)."""
+        req = decode(raw, DemoteRequest)
+        with self._lock:
+            return encode(CountReply(self.store.demote(req.keys)))
+
+    def close(self) -> None:
+        """Stop the sweeper, close the endpoint and the store. Idempotent; the actor can be killed afterwards."""
+        self._stop.set()
+        self._sweeper.join(timeout=5.0)
+        self._puller.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        with self._lock:
+            self.store.close()
+
+
+PoolShardActor = ray.remote(concurrency_groups={"pull": PULL_CONCURRENCY})(PoolShard)
