@@ -28,9 +28,10 @@ remembered at another position or after another key makes the index forget all i
 Ordering per source: sequence numbers without holes per epoch (a shard's epoch changes when it restarts; a
 replica's reports carry no epoch: a restarted replica has a new replica id, so its id is its epoch, and one report is
 one seq). A batch that starts after the last applied seq (or says ``gap``), or a source first seen mid-epoch (a delta
-report of an unknown replica), marks the source stale and queues a resync request; its events are still applied (a slightly wrong view beats none) and buffered, and when the snapshot arrives the holder's keys are
-replaced by it and the buffered events newer than it are replayed. A source not heard from (no batch, snapshot or
-heartbeat — an empty batch) within ``ttl_s`` is dropped with all its blocks. Clock injected; no I/O.
+report of an unknown replica), marks the source stale and queues a resync request; its events are still applied
+(a slightly wrong view beats none) and buffered, and when the snapshot arrives the holder's keys are replaced by it
+and the buffered events newer than it are replayed. A source not heard from (no batch, snapshot or heartbeat — an
+empty batch or report) within ``ttl_s`` is dropped with all its blocks. Clock injected; no I/O.
 """
 
 from __future__ import annotations
