@@ -138,6 +138,8 @@ class ShardSync:
             n = self._failures.get(sid, 0) + 1
             self._failures[sid] = n
             report.failed[sid] = f"{type(exc).__name__}: {exc}"
+            if n == 1:
+                log.warning("pool shard %s sync failed: %s", sid, report.failed[sid])
             if n >= self.forget_after_failures and ("shard", sid) in self.index.sources():
                 self.index.remove_source("shard", sid)
                 report.forgotten.append(sid)
@@ -146,7 +148,10 @@ class ShardSync:
             self._failures[sid] = 0
 
     async def _sync(self, sid: str, report: SyncReport) -> None:
-        src, node_id = self._shards[sid]
+        entry = self._shards.get(sid)
+        if entry is None:  # no longer listed (set_shards ran meanwhile): nothing to sync
+            return
+        src, node_id = entry
         applied = 0
         for _ in range(self.max_batches):
             cursor = self.index.cursor("shard", sid)
