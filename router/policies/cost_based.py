@@ -100,9 +100,13 @@ class FetchOption(NamedTuple):
     tier_class: int  # DRAM_LOCAL / DRAM_REMOTE / SSD_LOCAL / SSD_REMOTE
     suffix_prefill: float  # prefill(P, p_x·bs): what is left to compute once the prefix is in place
     node_id: str  # the shard's node
+    plan: ActionPlan  # FETCH of the whole prefix (a replica without an HBM prefix; made once per hit and request)
 
 
 _RECOMPUTE_PLAN = ActionPlan(_RECOMPUTE, -1, 0, 0, 0)
+# The hot path builds ActionPlans / FetchOptions as ``_new(cls, (fields...))``: the same named tuple, without the
+# Python-level ``__new__`` a NamedTuple call goes through (a third of the cost; a decision builds dozens).
+_new = tuple.__new__
 Priced = tuple[float, ActionPlan]  # (cost without the replica's queue, the action)
 
 
@@ -144,9 +148,11 @@ class _Group:
             pre = co.prefill(prompt, c)
             base = hit.queue_delay_s + pre
             rc, lc = (DRAM_REMOTE, DRAM_LOCAL) if hit.tier == "dram" else (SSD_REMOTE, SSD_LOCAL)
-            far = FetchOption(base + co.fetch(rc, c), hi, p, rc, pre, hit.node_id)
-            remote[0 if hit.tier == "dram" else 1].append(far)
-            local.setdefault(hit.node_id, []).append(FetchOption(base + co.fetch(lc, c), hi, p, lc, pre, hit.node_id))
+            plan = _new(ActionPlan, (_FETCH, hi, 0, p, c))
+            remote[0 if hit.tier == "dram" else 1].append(
+                _new(FetchOption, (base + co.fetch(rc, c), hi, p, rc, pre, hit.node_id, plan)))
+            local.setdefault(hit.node_id, []).append(
+                _new(FetchOption, (base + co.fetch(lc, c), hi, p, lc, pre, hit.node_id, plan)))
         remote[0].sort()
         remote[1].sort()
         self.remote = remote
@@ -178,7 +184,7 @@ class _Group:
         best = self.recompute
         if hb > 0:
             t = co.prefill(self.prompt, hbt)
-            out.append((t, ActionPlan(_HOLDER, -1, 0, 0, hbt)))
+            out.append((t, _new(ActionPlan, (_HOLDER, -1, 0, 0, hbt))))
             best = t if t < best else best
         # The useful hits: those on the replica's node, and per storage tier the cheapest on another node.
         opts = [e for e in self.local.get(node, ()) if e.prefix_blocks > hb]
@@ -189,8 +195,12 @@ class _Group:
                     break
         kvb, spb = co.kvb, co.spb
         for e in opts:
-            t = e.cost - hbt * kvb * spb[e.tier_class]  # the HBM prefix is not moved
-            out.append((t, ActionPlan(_FETCH, e.hit, hb, e.prefix_blocks, e.prefix_blocks * bs)))
+            if hb:
+                t = e.cost - hbt * kvb * spb[e.tier_class]  # the HBM prefix is not moved
+                out.append((t, _new(ActionPlan, (_FETCH, e.hit, hb, e.prefix_blocks, e.prefix_blocks * bs))))
+            else:
+                t = e.cost
+                out.append((t, e.plan))
             best = t if t < best else best
         if self.split and opts:
             limit = self.split * best
@@ -220,8 +230,8 @@ class _Group:
                     s = splits[key] = co.split(cls, hbt, e.prefix_blocks * bs, bs, extra)
                 if s is not None and s[1] + e.suffix_prefill <= limit:
                     k = s[0]
-                    out.append((s[1] + e.suffix_prefill,
-                                ActionPlan(_SPLIT, e.hit, k, e.prefix_blocks, hbt + (e.prefix_blocks - k) * bs)))
+                    plan = _new(ActionPlan, (_SPLIT, e.hit, k, e.prefix_blocks, hbt + (e.prefix_blocks - k) * bs))
+                    out.append((s[1] + e.suffix_prefill, plan))
         return out
 
 
