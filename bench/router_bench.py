@@ -73,7 +73,7 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 class _Cluster:
     """A simulated cluster's prefix view: replicas (4 per node by default) and one pool shard per node, fed
-    through the index's real event interfaces."""
+    through the index's real inputs (replica reports, shard event batches)."""
 
     def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random) -> None:
         from router.index import PrefixIndex
@@ -95,15 +95,13 @@ class _Cluster:
         return self.now
 
     def hbm_store(self, i: int, keys: list[bytes]) -> None:
-        from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind
+        from router.hub import ReplicaReport
 
         r = self.replicas[i]
-        after = self._seqs.get(r.replica_id, 0)
-        ev = ReplicaBlockEvent(after + 1, ReplicaEventKind.STORED, keys)
-        self.index.apply_replica_batch(
-            ReplicaEventBatch(REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, "e", after, after + 1, [ev])
-        )
-        self._seqs[r.replica_id] = after + 1
+        seq = self._seqs.get(r.replica_id, 0) + 1
+        self.index.apply_replica_report(
+            ReplicaReport(replica_id=r.replica_id, node_id=r.node_id, seq=seq, running=0, waiting=0, stored=keys))
+        self._seqs[r.replica_id] = seq
 
     def pool_store(self, j: int, keys: list[bytes], dram: bool) -> None:
         from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, Tier

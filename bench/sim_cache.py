@@ -1,9 +1,12 @@
-"""Simulated prefix caches: LRU block caches sized in tokens, and one index answering longest-prefix queries.
+"""Simulated prefix caches: LRU block caches sized in tokens, and one block -> holders map for longest-prefix queries.
+
+``BlockHolders`` is the simulator's own (int block ids and cache ids, updated in place, no events or cursors); the
+router's event-fed cluster view is ``router.index.PrefixIndex``.
 
 Used only by ``bench.simulate`` (the simulated cluster). A *block* is a chained prefix id (an ``int`` the simulator
 interns from ``(parent id, hash id)``), so holding block ``i`` means holding the KV of exactly that prefix's
 ``i``-th block, as with real block keys. Every cache (a replica's HBM, a shard's DRAM, a shard's SSD) registers in
-one ``PrefixIndex`` that maps block -> holders; ``PrefixIndex.prefix_blocks`` walks a request's blocks once and
+one ``BlockHolders`` that maps block -> holders; ``BlockHolders.prefix_blocks`` walks a request's blocks once and
 returns, per holder, how many leading blocks it holds, in time proportional to the matched length times the
 number of holders still matching.
 
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 _EMPTY: frozenset[int] = frozenset()
 
 
-class PrefixIndex:
+class BlockHolders:
     """block id -> ids of the caches holding it; longest-prefix match per cache."""
 
     __slots__ = ("_holders",)
@@ -77,7 +80,7 @@ class BlockCache:
     __slots__ = ("cache_id", "capacity_tokens", "used_tokens", "_blocks", "_index", "spill", "evicted_tokens")
 
     def __init__(
-        self, cache_id: int, capacity_tokens: float, index: PrefixIndex, spill: BlockCache | None = None
+        self, cache_id: int, capacity_tokens: float, index: BlockHolders, spill: BlockCache | None = None
     ) -> None:
         if capacity_tokens < 0 or math.isnan(capacity_tokens):
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")

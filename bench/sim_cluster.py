@@ -19,7 +19,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.sim_cache import BlockCache, PrefixIndex
+from bench.sim_cache import BlockCache, BlockHolders
 from router.cost import Hardware
 from router.policies.base import PoolHit, ReplicaState, StorageTier
 
@@ -97,7 +97,7 @@ class SimShard:
 
 
 class SimCluster:
-    """Replicas and shards over one ``PrefixIndex``. Cache ids: replica i -> i; shard s -> R+2s (DRAM), R+2s+1 (SSD)."""
+    """Replicas and shards over one ``BlockHolders``. Cache ids: replica i -> i; shard s -> R+2s (DRAM), R+2s+1 (SSD)."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class SimCluster:
     ) -> None:
         if nodes < 1 or replicas_per_node < 1:
             raise ValueError(f"need nodes >= 1 and replicas_per_node >= 1, got {nodes}, {replicas_per_node}")
-        self.index = PrefixIndex()
+        self.index = BlockHolders()
         self.replicas: list[SimReplica] = []
         self.shards: list[SimShard] = []
         n_rep = nodes * replicas_per_node

@@ -2,8 +2,9 @@
 
 Who calls what: the block store (``kvpool.store``) appends an event to its ``EventLog`` for every visible change
 (a block stored, removed, or moved between tiers); the shard actor (``kvpool.shard.actor``) serves
-``events_since`` / ``snapshot`` from it; the directory client (``kvpool.directory``) applies the batches and
-resyncs from a snapshot when a batch reports a gap or the shard's epoch changed (a restarted shard).
+``events_since`` / ``snapshot`` from it; each router pulls them (``router.shard_sync``) into its cluster view
+(``router.index``), which resyncs from a snapshot when a batch reports a gap or the shard's epoch changed (a
+restarted shard). kvpool never imports router: the names are for the reader.
 
 Sequence numbers start at 1 per epoch and have no holes; ``seq`` of a snapshot is the last event it includes.
 The log is a bounded ring: a reader that fell further behind than the ring holds gets ``gap=True`` and resyncs.

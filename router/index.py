@@ -1,10 +1,13 @@
 """The cluster prefix view: which replica holds which prefix in HBM, which pool shard holds it in DRAM / SSD.
 
-Who calls what: each router owns one ``PrefixIndex``. The event plumbing (``deployments/``, lead) feeds it
-``apply_replica_batch`` / ``apply_replica_snapshot`` (``router.events``, from the replicas' KV events) and
-``apply_shard_batch`` / ``apply_shard_snapshot`` (``kvpool.events``, from the pool shards or the directory),
-sends the ``ResyncRequest``s from ``take_resync_requests()`` and calls ``expire()`` now and then. The ingress
-calls ``snapshot(request, replicas)`` per request to get the ``ClusterSnapshot`` a policy ranks.
+Who calls what: each router (``router.live_view.LiveView``) owns one ``PrefixIndex`` and feeds it the messages that
+really flow: ``apply_replica_report`` with every ``router.hub.ReplicaReport`` it polls from the hub (a replica's HBM
+deltas, or its whole key set when ``full``), and ``apply_shard_batch`` / ``apply_shard_snapshot`` with the pool
+shards' ``kvpool.events`` streams (pulled by ``router.shard_sync.ShardSync``). The index holds every source's cursor
+(epoch, last applied seq, stale; ``cursor``), there is no other copy: live_view reads
+``take_resync_requests("replica")`` and answers with the hub's snapshot, ShardSync asks a shard for its snapshot
+whenever ``cursor`` says there is none usable. The ingress calls
+``snapshot(request, replicas)`` per request to get the ``ClusterSnapshot`` a policy ranks.
 
 Data: key → bitmask of holders; a holder is a (source, tier): a replica's HBM, or a shard's DRAM or SSD. A query
 walks the request's keys in order and ANDs the masks; a holder's prefix ends where its bit drops out, and the walk
@@ -22,11 +25,13 @@ rejoins them), and keys whose prefix mask empties are forgotten with their desce
 a subset of the indexed ones. This relies on the contract that a query's keys are a chain from block 0: a probed key
 remembered at another position or after another key makes the index forget all it learned and walk.
 
-Ordering per source: sequence numbers without holes per epoch. A batch that starts after the last applied seq (or
-says ``gap``), or a source first seen mid-epoch, marks the source stale and queues a resync request; its events are
-still applied (a slightly wrong view beats none) and buffered, and when the snapshot arrives the holder's keys are
-replaced by it and the buffered events newer than it are replayed. A source not heard from (no batch, snapshot or
-heartbeat — an empty batch) within ``ttl_s`` is dropped with all its blocks. Clock injected; no I/O.
+Ordering per source: sequence numbers without holes per epoch (a shard's epoch changes when it restarts; a
+replica's reports carry no epoch: a restarted replica has a new replica id, so its id is its epoch, and one report is
+one seq). A batch that starts after the last applied seq (or says ``gap``), or a source first seen mid-epoch (a delta
+report of an unknown replica), marks the source stale and queues a resync request; its events are still applied
+(a slightly wrong view beats none) and buffered, and when the snapshot arrives the holder's keys are replaced by it
+and the buffered events newer than it are replayed. A source not heard from (no batch, snapshot or heartbeat — an
+empty batch or report) within ``ttl_s`` is dropped with all its blocks. Clock injected; no I/O.
 """
 
 from __future__ import annotations
@@ -41,20 +46,13 @@ from operator import and_, attrgetter, itemgetter
 from typing import Literal
 
 from kvpool.events import EventBatch as ShardEventBatch
-from kvpool.events import EventKind, ShardSnapshot
+from kvpool.events import EVENTS_WIRE_VERSION, EventKind, ShardSnapshot
 from kvpool.events import Tier as ShardTier
-from router.events import (
-    REPLICA_EVENTS_VERSION,
-    ReplicaEventBatch,
-    ReplicaEventKind,
-    ReplicaSnapshot,
-    ResyncRequest,
-)
+from router.hub import HUB_WIRE_VERSION, ReplicaReport
 from router.policies.base import ClusterSnapshot, PoolHit, ReplicaState, RouteRequest
 
 SourceKind = Literal["replica", "shard"]
 HolderTier = Literal["hbm", "dram", "ssd"]
-SUPPORTED_SHARD_EVENTS_VERSION = 1
 _MAX_STALE_BUFFER = 1 << 16  # buffered ops while waiting for a snapshot; beyond this, resync again
 _RS_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaState))
 _RS_HB = _RS_FIELDS.index("hbm_prefix_blocks")
@@ -77,6 +75,15 @@ class PrefixMatch:
 
 
 _EMPTY_MATCH = PrefixMatch({}, ())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResyncRequest:
+    """The index needs a snapshot of ``source_id`` (in-process: read by whoever feeds that kind of source)."""
+
+    source_kind: SourceKind
+    source_id: str
+    reason: str
 
 
 class _ChainMismatch(Exception):
@@ -321,7 +328,8 @@ class _Holder:
         self.hit: PoolHit | None = None  # the last PoolHit a query returned for this holder (immutable: reused)
 
 
-# An op: (seq, kind, tier, keys). kind: "stored" | "removed" | "moved" (to tier) | "cleared".
+# An op: (seq, kind, tier, keys). kind: "stored" | "removed" | "moved" (to tier). Several ops may share a seq (the
+# removed and stored keys of one replica report).
 _Op = tuple[int, str, HolderTier, Sequence[bytes]]
 
 
@@ -369,6 +377,11 @@ class PrefixIndex:
         src = self._sources.get((kind, source_id))
         return src is not None and src.stale
 
+    def cursor(self, kind: SourceKind, source_id: str) -> tuple[str, int] | None:
+        """(epoch, last applied seq) of a source, or None when unknown or stale (it needs a snapshot first)."""
+        src = self._sources.get((kind, source_id))
+        return None if src is None or src.stale else (src.epoch, src.seq)
+
     def held_blocks(self, kind: SourceKind, source_id: str, tier: HolderTier) -> int:
         src = self._sources.get((kind, source_id))
         holder = src.holders.get(tier) if src else None
@@ -382,32 +395,30 @@ class PrefixIndex:
         """Forget every learned chain (queries walk again; for benchmarks of the cold path)."""
         self._chains.clear()
 
-    # ---- replica events ----------------------------------------------------------------------------------------
+    # ---- replica reports (router.hub) ------------------------------------------------------------------------
 
-    def apply_replica_batch(self, batch: ReplicaEventBatch) -> None:
-        if batch.version != REPLICA_EVENTS_VERSION:
-            raise ValueError(f"replica event version {batch.version} not supported (expected {REPLICA_EVENTS_VERSION})")
+    def apply_replica_report(self, report: ReplicaReport) -> None:
+        """Apply one replica report: ``full`` = its whole HBM key set at ``seq``; else the delta after ``seq - 1``
+        (its removed keys, then its stored keys). An empty delta is a heartbeat. ``gone`` reports are the caller's
+        (``remove_source``)."""
+        if report.version != HUB_WIRE_VERSION:
+            raise ValueError(f"replica report version {report.version} not supported (expected {HUB_WIRE_VERSION})")
+        rid, seq = report.replica_id, report.seq
+        if report.full:
+            self._apply_snapshot("replica", rid, report.node_id, rid, seq, {"hbm": report.stored})
+            return
         ops: list[_Op] = []
-        for ev in batch.events:
-            if ev.kind is ReplicaEventKind.STORED:
-                ops.append((ev.seq, "stored", "hbm", ev.keys))
-            elif ev.kind is ReplicaEventKind.REMOVED:
-                ops.append((ev.seq, "removed", "hbm", ev.keys))
-            else:
-                ops.append((ev.seq, "cleared", "hbm", ()))
-        self._apply_batch("replica", batch.replica_id, batch.node_id, batch.epoch, batch.after_seq, batch.last_seq,
-                          batch.gap, ops)
-
-    def apply_replica_snapshot(self, snap: ReplicaSnapshot) -> None:
-        if snap.version != REPLICA_EVENTS_VERSION:
-            raise ValueError(f"replica snapshot version {snap.version} not supported")
-        self._apply_snapshot("replica", snap.replica_id, snap.node_id, snap.epoch, snap.seq, {"hbm": snap.keys})
+        if report.removed:
+            ops.append((seq, "removed", "hbm", report.removed))
+        if report.stored:
+            ops.append((seq, "stored", "hbm", report.stored))
+        self._apply_batch("replica", rid, report.node_id, rid, seq - 1, seq, False, ops)
 
     # ---- pool shard events (kvpool.events) -----------------------------------------------------------------------
 
     def apply_shard_batch(self, batch: ShardEventBatch, node_id: str) -> None:
-        """Apply a shard's events; ``node_id`` is the node the shard runs on (from the directory's registry)."""
-        if batch.version != SUPPORTED_SHARD_EVENTS_VERSION:
+        """Apply a shard's events; ``node_id`` is the node the shard runs on (from the shard registry)."""
+        if batch.version != EVENTS_WIRE_VERSION:
             raise ValueError(f"shard event version {batch.version} not supported")
         ops: list[_Op] = []
         for ev in batch.events:
@@ -418,7 +429,7 @@ class PrefixIndex:
                           ops)
 
     def apply_shard_snapshot(self, snap: ShardSnapshot, node_id: str) -> None:
-        if snap.version != SUPPORTED_SHARD_EVENTS_VERSION:
+        if snap.version != EVENTS_WIRE_VERSION:
             raise ValueError(f"shard snapshot version {snap.version} not supported")
         if len(snap.keys) != len(snap.tiers):
             raise ValueError(f"shard snapshot {snap.shard_id}: {len(snap.keys)} keys but {len(snap.tiers)} tiers")
@@ -429,10 +440,12 @@ class PrefixIndex:
 
     # ---- resync and liveness ---------------------------------------------------------------------------------------
 
-    def take_resync_requests(self) -> list[ResyncRequest]:
-        """Snapshots the index needs (each asked once until it arrives or the source is seen stale again)."""
-        out = [ResyncRequest(REPLICA_EVENTS_VERSION, kind, sid, reason) for (kind, sid), reason in self._resync.items()]
-        self._resync.clear()
+    def take_resync_requests(self, kind: SourceKind) -> list[ResyncRequest]:
+        """Snapshots the index needs of ``kind``'s sources (each asked once until it arrives or the source is seen
+        stale again)."""
+        out = [ResyncRequest(k, sid, reason) for (k, sid), reason in self._resync.items() if k == kind]
+        for r in out:
+            del self._resync[(kind, r.source_id)]
         return out
 
     def expire(self) -> list[tuple[SourceKind, str]]:
@@ -634,8 +647,9 @@ class PrefixIndex:
         elif after_seq > src.seq:
             why = "first seen mid-epoch" if fresh else f"gap: have seq {src.seq}, batch starts after {after_seq}"
             self._mark_stale(src, why)
+        applied = src.seq
         for op in ops:
-            if op[0] <= src.seq:
+            if op[0] <= applied:
                 continue  # already applied (overlapping batch)
             self._apply_op(src, op)
             src.seq = op[0]
@@ -693,14 +707,11 @@ class PrefixIndex:
             holder = src.holders.get(tier)
             if holder is not None:
                 self._remove(holder, keys)
-        elif kind == "moved":
+        else:  # moved
             for other_tier, other in src.holders.items():
                 if other_tier != tier:
                     self._remove(other, keys)
             self._add(self._holder(src, tier), keys)
-        else:  # cleared
-            for holder in src.holders.values():
-                self._remove(holder, list(holder.keys))
 
     def _add(self, holder: _Holder, keys: Iterable[bytes]) -> None:
         bit = 1 << holder.bit

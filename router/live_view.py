@@ -4,7 +4,10 @@ Who calls what (all inside one ``router.ingress.OpenAIIngress`` replica, on its 
 - ``run()`` is a background task: it polls the ``ClusterViewHub`` (``router.hub``) every ``poll_interval_s`` with
   an awaited actor call (never a blocking ``ray.get``), applies replica reports to the ``router.index`` view and
   acknowledges this router's in-flight assignments that the reports now count (anti-herding, see
-  ``router.policies.runner``). Replicas not heard from within ``replica_ttl_s`` are dropped by the index.
+  ``router.policies.runner``); a replica the index wants resynced makes the next poll ask for the hub's snapshot.
+  Replicas not heard from within ``replica_ttl_s`` are dropped by the index. Beside it runs
+  ``router.shard_sync.ShardSync`` (the pool shards' event streams into the same index, through kvpool's typed
+  ``ShardEventSource``, one loop per shard).
 - ``decide(request_id, token_ids)`` computes block keys (``kvpool.keys``) and builds a ``ClusterSnapshot``
   (per-replica HBM prefix, pool hits, load, calibrated hardware) and returns the ``Routed`` decision for the wire.
 - ``record_first_token`` records the actual TTFT (regret, MFU calibration); ``request_done`` closes the assignment.
@@ -30,7 +33,6 @@ from kvpool.keys import BlockKey, chain_keys
 from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from router.decision import AuditLog, DecisionRecord
-from router.events import REPLICA_EVENTS_VERSION, ReplicaBlockEvent, ReplicaEventBatch, ReplicaEventKind, ReplicaSnapshot
 from router.hub import PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
@@ -38,6 +40,7 @@ from router.metrics import RouterMetrics
 from router.policies.base import ReplicaState, RouteRequest
 from router.policies.pricing import TierMap, tier_class
 from router.policies.runner import PolicyRunner, make_policy
+from router.shard_sync import ShardEvents, ShardSync
 from router.wire import FetchPlanMsg, GenerateChunk, routing_root
 
 log = logging.getLogger("kvstack.router")
@@ -94,9 +97,7 @@ class LiveView:
         self.key_root = routing_root(settings.served_model_name, settings.cache_salt)
         self._cursor = 0
         self._hub: Any = None
-        self._shards: dict[str, Any] = {}  # shard id -> ShardRef
-        self._shard_seq: dict[str, tuple[str, int]] = {}  # shard id -> (epoch, last applied seq)
-        self._shards_listed_at = -1e9
+        self.shard_sync = ShardSync(self.index)
         self.router_id = ""  # set by the ingress (its Serve replica id)
         self._published_decisions = 0
         self._published_at = -1e9
@@ -112,6 +113,13 @@ class LiveView:
 
     # -- the hub stream and the shards' event streams -------------------------------------------------------
     async def run(self) -> None:
+        shards = asyncio.create_task(self.shard_sync.run(self._list_shards, interval_s=self.settings.poll_interval_s))
+        try:
+            await self._run_hub()
+        finally:
+            shards.cancel()
+
+    async def _run_hub(self) -> None:
         while True:
             try:
                 if self._hub is None:
@@ -129,12 +137,6 @@ class LiveView:
                 raise
             except Exception as exc:  # noqa: BLE001
                 log.warning("publishing decisions failed: %s", exc)
-            try:
-                await self._sync_shards()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                log.warning("pool shard sync failed: %s", exc)
             await asyncio.sleep(self.settings.poll_interval_s)
 
     def apply(self, reply: PollReply) -> None:
@@ -155,7 +157,7 @@ class LiveView:
                 log.info("router %s: adopting key namespace %s from replica %s", self.router_id,
                          report.key_root.hex()[:16], report.replica_id)
                 self.key_root = BlockKey(report.key_root)
-            self._apply_report(report)
+            self.index.apply_replica_report(report)
             prev = self.loads.get(report.replica_id)
             self.loads[report.replica_id] = ReplicaLoad(
                 report.node_id, report.running, report.waiting, now, prev.mean_ttft_s if prev else 0.0,
@@ -168,18 +170,18 @@ class LiveView:
         if calibrate:
             self._refresh_tier_map()
         self._cursor = reply.cursor
-        if any(r.source_kind == "replica" for r in self.index.take_resync_requests()):
+        if self.index.take_resync_requests("replica"):
             self._cursor = -1  # the hub answers an impossible cursor with a full snapshot
 
     def _observe_transfers(self, report: ReplicaReport) -> None:
         """Feed the replica's finished pool fetches to the tier fits: the tier class is the one the policy priced
         such a fetch with (DRAM or SSD, the shard on the replica's node or another)."""
         for t in report.transfers:
-            shard = self._shards.get(t.shard_id)
-            if shard is None or t.bytes_moved <= 0 or t.seconds <= 0:
+            shard_node = self.shard_sync.node_of(t.shard_id)
+            if shard_node is None or t.bytes_moved <= 0 or t.seconds <= 0:
                 self.transfers_unplaced += 1
                 continue
-            cls = TIER_CLASSES[tier_class("ssd" if t.ssd else "dram", shard.node_id == report.node_id)]
+            cls = TIER_CLASSES[tier_class("ssd" if t.ssd else "dram", shard_node == report.node_id)]
             self.calibrator.observe_transfer(cls, self.base_tier_map, t.bytes_moved, t.seconds)
             self.metrics.observe_transfer(cls, t.bytes_moved)
 
@@ -205,45 +207,18 @@ class LiveView:
                  "calibrated": getattr(self.tier_map, cls) is not getattr(self.base_tier_map, cls)}
                 for cls, (gbps, lat) in self.tier_prices().items()]
 
-    def _apply_report(self, r: ReplicaReport) -> None:
-        if r.full:
-            self.index.apply_replica_snapshot(ReplicaSnapshot(
-                REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, r.replica_id, 2 * r.seq, list(r.stored)))
-            return
-        self.index.apply_replica_batch(ReplicaEventBatch(
-            REPLICA_EVENTS_VERSION, r.replica_id, r.node_id, r.replica_id, 2 * r.seq - 2, 2 * r.seq,
-            [ReplicaBlockEvent(2 * r.seq - 1, ReplicaEventKind.REMOVED, list(r.removed)),
-             ReplicaBlockEvent(2 * r.seq, ReplicaEventKind.STORED, list(r.stored))]))
-
     def _forget(self, replica_id: str) -> None:
         self.loads.pop(replica_id, None)
         self.index.remove_source("replica", replica_id)
         self.metrics.forget_replica(replica_id)
         self.calibrator.forget_replica(replica_id)
 
-    async def _sync_shards(self) -> None:
-        from kvpool.events import EventBatch, ShardSnapshot
-        from kvpool.shard.wire import EventsRequest
+    async def _list_shards(self) -> list[tuple[ShardEvents, str]]:
+        """The pool's shards (``kvpool.shard.registry``; a blocking Ray lookup, so off the loop) as event sources."""
         from kvpool.shard.registry import list_shards
 
-        now = time.monotonic()
-        if now - self._shards_listed_at > 5.0:
-            self._shards = {s.shard_id: s for s in await asyncio.to_thread(list_shards, self.settings.hub_namespace)}
-            self._shards_listed_at = now
-        for shard_id, ref in self._shards.items():
-            known = self._shard_seq.get(shard_id)
-            if known is not None:
-                req = msgspec.msgpack.encode(EventsRequest(known[1], 4096))
-                raw = await asyncio.wait_for(ref.actor.events_since.remote(req), timeout=5.0)
-                batch = msgspec.msgpack.decode(raw, type=EventBatch)
-                if not batch.gap and batch.epoch == known[0]:
-                    self.index.apply_shard_batch(batch, ref.node_id)
-                    self._shard_seq[shard_id] = (batch.epoch, batch.last_seq)
-                    continue
-            raw = await asyncio.wait_for(ref.actor.snapshot.remote(), timeout=5.0)
-            snap = msgspec.msgpack.decode(raw, type=ShardSnapshot)
-            self.index.apply_shard_snapshot(snap, ref.node_id)
-            self._shard_seq[shard_id] = (snap.epoch, snap.seq)
+        refs = await asyncio.to_thread(list_shards, self.settings.hub_namespace)
+        return [(r.event_source(), r.node_id) for r in refs]
 
     async def _publish_decisions(self) -> None:
         """Every ~1 s, this router's recent decision summaries go to the hub (for ``kvstack status``)."""
@@ -343,15 +318,18 @@ class LiveView:
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:
+        """One ``kvstack status`` row per shard: blocks per tier, leases and the store's counters. The shards are
+        asked concurrently, each within its own deadline, so a frozen shard costs one deadline, not one each."""
         from kvpool.shard.registry import list_shards
 
-        rows = []
-        for shard in await asyncio.to_thread(list_shards, self.settings.hub_namespace):
+        async def row(shard: Any) -> dict[str, Any]:
+            head = {"shard_id": shard.shard_id, "node_id": shard.node_id}
             try:
-                stats = await shard.stats_async(deadline_s=5.0)
+                stats = await shard.async_client().stats(deadline_s=5.0)
             except Exception as exc:  # noqa: BLE001 - a dead shard shows as unavailable
-                rows.append({"shard_id": shard.shard_id, "node_id": shard.node_id, "dram_blocks": 0,
-                             "ssd_blocks": 0, "error": str(exc)})
-                continue
-            rows.append({"shard_id": shard.shard_id, "node_id": shard.node_id, **stats})
-        return rows
+                return {**head, "dram_blocks": 0, "ssd_blocks": 0, "error": str(exc)}
+            return {**head, "dram_blocks": stats.dram.blocks, "ssd_blocks": stats.ssd.blocks,
+                    "leases": stats.leases, "slot_bytes": stats.slot_bytes, "counters": dict(stats.counters)}
+
+        shards = await asyncio.to_thread(list_shards, self.settings.hub_namespace)
+        return list(await asyncio.gather(*(row(s) for s in shards)))

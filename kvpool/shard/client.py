@@ -7,7 +7,7 @@ Who calls what:
 - ``AsyncShardClient`` (on an event loop, never blocks it): a replica asking its node's shard to ``pull`` the tail
   of a prefix (``deployments.split_staging``), ``touch_nowait`` for prefixes served from HBM, and ``stats`` /
   ``events_since`` / ``snapshot`` for the router's cluster view and ``kvstack status``.
-- ``ShardEventSource``: a shard's event stream for ``kvpool.directory.DirectorySync``.
+- ``ShardEventSource``: a shard's event stream for the router's ``router.shard_sync.ShardSync``.
 - ``ShardHandle``: a started or discovered shard (``kvpool.shard.placement`` / ``kvpool.shard.registry``) and the
   clients of it.
 
@@ -243,8 +243,8 @@ class AsyncShardClient:
 
 
 class ShardEventSource:
-    """A shard's event stream for ``kvpool.directory.DirectorySync`` (async, deadline-bounded; the events part of
-    ``AsyncShardClient``)."""
+    """A shard's event stream for the router's ``router.shard_sync.ShardSync`` (async, deadline-bounded; the events
+    part of ``AsyncShardClient``). kvpool never imports router: the name is for the reader."""
 
     def __init__(self, handle: Any, shard_id: str) -> None:
         self._client = AsyncShardClient(handle, shard_id)
@@ -274,10 +274,3 @@ class ShardHandle(msgspec.Struct, frozen=True):
 
     def async_client(self) -> AsyncShardClient:
         return AsyncShardClient(self.actor, self.shard_id)
-
-    async def stats_async(self, deadline_s: float = 5.0) -> dict[str, Any]:
-        """Blocks per tier, lease count and the store's counters (hits, evictions, pulls, touches, ...), as the row
-        of ``kvstack status`` (``router.live_view.shard_stats``)."""
-        stats = await self.async_client().stats(deadline_s)
-        return {"dram_blocks": stats.dram.blocks, "ssd_blocks": stats.ssd.blocks, "leases": stats.leases,
-                "slot_bytes": stats.slot_bytes, "counters": dict(stats.counters)}

@@ -22,6 +22,15 @@ action (HOLDER / FETCH / RECOMPUTE) by ``split_min_gain`` (default 15%: overlapp
 costs the model does not see and needs engine support, so a near-tie goes to the plain action). The formulas are
 ``router.cost``'s (see ``router.policies.pricing``).
 
+Where each line lives: ``price_replica`` is the formula above written out for one replica, one candidate per
+action and hit (``pricing.local_candidate`` / ``fetch_candidate`` / ``split_candidate``: one place per formula);
+it is the reference. ``rank`` gets the same numbers faster: ``_Group`` prices each hit once per request and
+hardware (``FetchOption``: its FETCH cost for a replica without an HBM prefix), and ``_Group.options`` (the tight
+loop, tested against ``price_replica``) turns those into the actions of one (HBM prefix, node) as ``ActionPlan``s
+(what ``_candidate`` turns into a ``Candidate``): FETCH(x) at h_r is the option's cost less the HBM part it need
+not move (``h_r·bs·kv_bytes/(BW_util·BW_T)``), SPLITs that cannot beat the gain even with their fixed costs are
+skipped unsolved.
+
 Ranking: the cheapest replicas (each with its best action) within ``max(window_abs_s, window_rel · best)`` of the
 best, at most ``max_candidates`` (the runner's tie window must be narrower), plus the best candidate of every
 other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected RNG)
@@ -34,7 +43,7 @@ import random
 from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter, itemgetter
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from router.cost import GB
 from router.policies.base import (
@@ -49,20 +58,56 @@ from router.policies.base import (
     RouteRequest,
     RoutingPolicy,
 )
-from router.policies.pricing import DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE, HwCoeffs, Pricer, TierMap
+from router.policies.pricing import (
+    DRAM_LOCAL,
+    DRAM_REMOTE,
+    SSD_LOCAL,
+    SSD_REMOTE,
+    HwCoeffs,
+    Pricer,
+    TierMap,
+    clamp_blocks,
+    fetch_candidate,
+    local_candidate,
+    split_candidate,
+    tier_class,
+)
 
-_HOLDER, _FETCH, _RECOMPUTE, _SPLIT = 0, 1, 2, 3
+_HOLDER, _FETCH, _RECOMPUTE, _SPLIT = 0, 1, 2, 3  # action codes: index into _ACTIONS (and rank's per-action bests)
 _ACTIONS = (Action.HOLDER, Action.FETCH, Action.RECOMPUTE, Action.SPLIT)
 _INF = float("inf")
-_RECOMPUTE_DESC = (_RECOMPUTE, -1, 0, 0, 0)
 _REMOTE = (DRAM_REMOTE, SSD_REMOTE)
 _by_ttft = attrgetter("predicted_ttft_s")
 _first = itemgetter(0)
 
-# desc = (action code, hit index or -1, fetch start block, fetch end block, reused tokens)
-Desc = tuple[int, int, int, int, int]
-# option = (cost without q_r at h_r = 0, hit index, prefix blocks, tier class, prefill(P, prefix), shard node)
-Option = tuple[float, int, int, int, float, str]
+
+class ActionPlan(NamedTuple):
+    """One priced action on a replica, before it becomes a ``Candidate`` (``_candidate``)."""
+
+    action: int  # _HOLDER / _FETCH / _RECOMPUTE / _SPLIT
+    hit: int  # index of the pool hit it fetches from in the request's hits; -1: none (HOLDER, RECOMPUTE)
+    start: int  # fetch plan: first block moved (FETCH: the replica's HBM prefix; SPLIT: where the head ends)
+    end: int  # fetch plan: the block after the last one moved (the hit's prefix)
+    reused: int  # tokens the replica does not compute (HBM prefix + fetched blocks)
+
+
+class FetchOption(NamedTuple):
+    """A pool hit priced for one hardware and tier class, for a replica without an HBM prefix."""
+
+    cost: float  # q_x + fetch(p_x·bs) + prefill(P, p_x·bs): FETCH(x) without the replica's queue, at h_r = 0
+    hit: int  # index in the request's hits
+    prefix_blocks: int  # p_x
+    tier_class: int  # DRAM_LOCAL / DRAM_REMOTE / SSD_LOCAL / SSD_REMOTE
+    suffix_prefill: float  # prefill(P, p_x·bs): what is left to compute once the prefix is in place
+    node_id: str  # the shard's node
+    plan: ActionPlan  # FETCH of the whole prefix (a replica without an HBM prefix; made once per hit and request)
+
+
+_RECOMPUTE_PLAN = ActionPlan(_RECOMPUTE, -1, 0, 0, 0)
+# The hot path builds ActionPlans / FetchOptions as ``_new(cls, (fields...))``: the same named tuple, without the
+# Python-level ``__new__`` a NamedTuple call goes through (a third of the cost; a decision builds dozens).
+_new = tuple.__new__
+Priced = tuple[float, ActionPlan]  # (cost without the replica's queue, the action)
 
 
 class _Class:
@@ -70,7 +115,7 @@ class _Class:
 
     __slots__ = ("acts", "cost", "desc", "min_i", "min_q")
 
-    def __init__(self, acts: list[tuple[float, Desc]]) -> None:
+    def __init__(self, acts: list[Priced]) -> None:
         self.acts = acts
         self.cost, self.desc = min(acts, key=_first)
         self.min_q = _INF
@@ -93,18 +138,21 @@ class _Group:
         self.hits = hits
         self.split = split
         self.staged = staged
-        self._opts: dict[tuple[int, str], list[tuple[float, Desc]]] = {}
+        self._opts: dict[tuple[int, str], list[Priced]] = {}
         self._splits: dict[tuple[int, int, int], tuple[int, float] | None] = {}
         self.recompute = co.prefill(prompt, 0.0)
-        remote: tuple[list[Option], list[Option]] = ([], [])
-        local: dict[str, list[Option]] = {}
+        remote: tuple[list[FetchOption], list[FetchOption]] = ([], [])  # priced from another node: DRAM, SSD
+        local: dict[str, list[FetchOption]] = {}  # node -> the hits on it, priced for a replica on that node
         for hi, (hit, p) in enumerate(hits):
             c = p * bs
             pre = co.prefill(prompt, c)
             base = hit.queue_delay_s + pre
             rc, lc = (DRAM_REMOTE, DRAM_LOCAL) if hit.tier == "dram" else (SSD_REMOTE, SSD_LOCAL)
-            remote[0 if hit.tier == "dram" else 1].append((base + co.fetch(rc, c), hi, p, rc, pre, hit.node_id))
-            local.setdefault(hit.node_id, []).append((base + co.fetch(lc, c), hi, p, lc, pre, hit.node_id))
+            plan = _new(ActionPlan, (_FETCH, hi, 0, p, c))
+            remote[0 if hit.tier == "dram" else 1].append(
+                _new(FetchOption, (base + co.fetch(rc, c), hi, p, rc, pre, hit.node_id, plan)))
+            local.setdefault(hit.node_id, []).append(
+                _new(FetchOption, (base + co.fetch(lc, c), hi, p, lc, pre, hit.node_id, plan)))
         remote[0].sort()
         remote[1].sort()
         self.remote = remote
@@ -118,7 +166,7 @@ class _Group:
             c = self.classes[node] = _Class(self.options(0, node)) if node in self.local else self.fast
         return c
 
-    def priced(self, hb: int, node: str) -> list[tuple[float, Desc]]:
+    def priced(self, hb: int, node: str) -> list[Priced]:
         """``options(hb, node)``, computed once per (prefix, node with a pool hit): replicas holding the same HBM
         prefix (a shared system prompt) share it. A node without a hit prices as ``""`` (every hit is remote)."""
         key = (hb, node if node in self.local else "")
@@ -127,34 +175,41 @@ class _Group:
             out = self._opts[key] = self.options(*key)
         return out
 
-    def options(self, hb: int, node: str) -> list[tuple[float, Desc]]:
-        """Every priced action (without the replica's queue) for a replica holding ``hb`` blocks on ``node``."""
+    def options(self, hb: int, node: str) -> list[Priced]:
+        """Every priced action (without the replica's queue) for a replica holding ``hb`` blocks on ``node``: the
+        tight loop of ``price_replica`` (same actions, same numbers up to float rounding; tested against it)."""
         co, bs = self.co, self.bs
         hbt = hb * bs
-        out: list[tuple[float, Desc]] = [(self.recompute, _RECOMPUTE_DESC)]
+        out: list[Priced] = [(self.recompute, _RECOMPUTE_PLAN)]
         best = self.recompute
         if hb > 0:
             t = co.prefill(self.prompt, hbt)
-            out.append((t, (_HOLDER, -1, 0, 0, hbt)))
+            out.append((t, _new(ActionPlan, (_HOLDER, -1, 0, 0, hbt))))
             best = t if t < best else best
-        opts = [e for e in self.local.get(node, ()) if e[2] > hb]
+        # The useful hits: those on the replica's node, and per storage tier the cheapest on another node.
+        opts = [e for e in self.local.get(node, ()) if e.prefix_blocks > hb]
         for lst in self.remote:
             for e in lst:
-                if e[2] > hb and e[5] != node:
+                if e.prefix_blocks > hb and e.node_id != node:
                     opts.append(e)
                     break
+        kvb, spb = co.kvb, co.spb
         for e in opts:
-            t = e[0] - hbt * co.kvb * co.spb[e[3]]
-            out.append((t, (_FETCH, e[1], hb, e[2], e[2] * bs)))
+            if hb:
+                t = e.cost - hbt * kvb * spb[e.tier_class]  # the HBM prefix is not moved
+                out.append((t, _new(ActionPlan, (_FETCH, e.hit, hb, e.prefix_blocks, e.prefix_blocks * bs))))
+            else:
+                t = e.cost
+                out.append((t, e.plan))
             best = t if t < best else best
         if self.split and opts:
             limit = self.split * best
-            lat, spb, state = co.lat, co.spb, co.state
+            lat, state = co.lat, co.state
             splits = self._splits
             staged = self.staged
             for e in opts:
-                extra = self.hits[e[1]][0].queue_delay_s
-                cls = e[3]
+                extra = self.hits[e.hit][0].queue_delay_s
+                cls = e.tier_class
                 # A SPLIT costs at least the tail's fixed parts (latency + state), so one that cannot beat
                 # ``limit`` even with them is skipped unsolved (same floats: every step rounds monotonically).
                 if staged:
@@ -164,18 +219,53 @@ class _Group:
                         floor += lat[cls] + state * spb[cls]
                 else:
                     floor = (lat[cls] + extra) + state * spb[cls]
-                if floor + e[4] > limit:
+                if floor + e.suffix_prefill > limit:
                     continue
-                key = (e[1], cls, hbt)
+                key = (e.hit, cls, hbt)
                 if key in splits:
                     s = splits[key]
                 elif staged:
-                    s = splits[key] = co.split_staged(pull_cls, load_cls, hbt, e[2] * bs, bs, extra)
+                    s = splits[key] = co.split_staged(pull_cls, load_cls, hbt, e.prefix_blocks * bs, bs, extra)
                 else:
-                    s = splits[key] = co.split(cls, hbt, e[2] * bs, bs, extra)
-                if s is not None and s[1] + e[4] <= limit:
-                    out.append((s[1] + e[4], (_SPLIT, e[1], s[0], e[2], hbt + (e[2] - s[0]) * bs)))
+                    s = splits[key] = co.split(cls, hbt, e.prefix_blocks * bs, bs, extra)
+                if s is not None and s[1] + e.suffix_prefill <= limit:
+                    k = s[0]
+                    plan = _new(ActionPlan, (_SPLIT, e.hit, k, e.prefix_blocks, hbt + (e.prefix_blocks - k) * bs))
+                    out.append((s[1] + e.suffix_prefill, plan))
         return out
+
+
+def price_replica(
+    pricer: Pricer, replica: ReplicaState, request: RouteRequest, hits: Sequence[PoolHit], *,
+    split_min_gain: float | None, split_staging: bool = True,
+) -> list[Candidate]:
+    """The module docstring's formulas for one replica, written out: RECOMPUTE, HOLDER (with an HBM prefix), FETCH
+    from each useful hit (on the replica's node; per storage tier the cheapest on another node), and SPLIT on each
+    of those when it beats the best plain action by ``split_min_gain`` (None: no SPLIT). The reference
+    ``_Group.options`` is tested against; ``rank`` does not call it."""
+    co = pricer.coeffs(replica.hw)
+    q = replica.queue_delay_s
+    prompt = float(max(request.prompt_tokens, 0))
+    hbm = clamp_blocks(replica.hbm_prefix_blocks, request)
+    out = [Candidate(Action.RECOMPUTE, replica.replica_id, q + co.prefill(prompt, 0.0), 0)]
+    if hbm > 0:
+        out.append(local_candidate(pricer, replica, request))
+    useful = [h for h in hits if h.node_id == replica.node_id and clamp_blocks(h.prefix_blocks, request) > hbm]
+    for storage in ("dram", "ssd"):
+        remote = [(c.predicted_ttft_s, i, h) for i, h in enumerate(hits)
+                  if h.tier == storage and h.node_id != replica.node_id
+                  for c in [fetch_candidate(pricer, replica, h, request)] if c is not None]
+        if remote:
+            useful.append(min(remote, key=lambda e: (e[0], e[1]))[2])
+    fetches = [c for h in useful for c in [fetch_candidate(pricer, replica, h, request)] if c is not None]
+    out += fetches
+    if split_min_gain is not None and fetches:
+        best_plain = min(c.predicted_ttft_s for c in out) - q
+        for h in useful:
+            c = split_candidate(pricer, replica, h, request, staged=split_staging)
+            if c is not None and c.predicted_ttft_s - q <= (1.0 - split_min_gain) * best_plain:
+                out.append(c)
+    return out
 
 
 class CostBased(RoutingPolicy):
@@ -275,9 +365,9 @@ class CostBased(RoutingPolicy):
 
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
-        act_desc: list[Desc] = [_RECOMPUTE_DESC] * 4
+        act_desc: list[ActionPlan] = [_RECOMPUTE_PLAN] * 4
         # Replicas holding a prefix in HBM: priced one by one.
-        special: dict[int, Desc] = {}
+        special: dict[int, ActionPlan] = {}
         hbs = [r.hbm_prefix_blocks for r in rs] if max_blocks > 0 else ()
         if any(hbs):
             for i in compress(range(n), hbs):
@@ -285,10 +375,10 @@ class CostBased(RoutingPolicy):
                 if hb <= 0:
                     continue
                 q = qs[i]
-                best, bd = _INF, _RECOMPUTE_DESC
+                best, bd = _INF, _RECOMPUTE_PLAN
                 for t, d in groups[id(hws[i])].priced(hb if hb < max_blocks else max_blocks, rs[i].node_id):
                     t += q
-                    a = d[0]
+                    a = d.action
                     if t < act_cost[a]:
                         act_cost[a], act_at[a], act_desc[a] = t, i, d
                     if t < best:
@@ -319,7 +409,7 @@ class CostBased(RoutingPolicy):
             q = qs[i]
             for t, d in c.acts:
                 t += q
-                a = d[0]
+                a = d.action
                 if t < act_cost[a]:
                     act_cost[a], act_at[a], act_desc[a] = t, i, d
 
@@ -338,7 +428,7 @@ class CostBased(RoutingPolicy):
             top.sort(key=costs.__getitem__)
             del top[self.max_candidates :]
 
-        def desc(i: int) -> Desc:
+        def desc(i: int) -> ActionPlan:
             d = special.get(i)
             return d if d is not None else cls_list[i].desc
 
@@ -354,17 +444,17 @@ class CostBased(RoutingPolicy):
         return Ranking(cands, explain=lambda: _explain(*args))  # formatted only when somebody reads it
 
 
-def _candidate(r: ReplicaState, d: Desc, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:
-    a, hi, start, end, reused = d
-    if hi < 0:
-        return Candidate(_ACTIONS[a], r.replica_id, cost, reused)
-    h = hits[hi][0]
-    return Candidate(_ACTIONS[a], r.replica_id, cost, reused, FetchPlan(h.shard_id, h.node_id, h.tier, start, end))
+def _candidate(r: ReplicaState, d: ActionPlan, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:
+    if d.hit < 0:
+        return Candidate(_ACTIONS[d.action], r.replica_id, cost, d.reused)
+    h = hits[d.hit][0]
+    plan = FetchPlan(h.shard_id, h.node_id, h.tier, d.start, d.end)
+    return Candidate(_ACTIONS[d.action], r.replica_id, cost, d.reused, plan)
 
 
 def _explain(
     r: ReplicaState,
-    d: Desc,
+    d: ActionPlan,
     total: float,
     g: _Group,
     prompt: float,
@@ -375,7 +465,7 @@ def _explain(
 ) -> tuple[str, dict[str, float]]:
     """The chosen candidate's formula with its values (Dynamo-selector style)."""
     co = g.co
-    a, hi, start, end, _ = d
+    a, hi, start, end = d.action, d.hit, d.start, d.end
     q = r.queue_delay_s
     if a == _RECOMPUTE:
         pre = co.prefill(prompt, 0.0)
@@ -384,7 +474,7 @@ def _explain(
             {"queue_s": q, "prefill_s": pre, "ttft_s": total},
         )
     if a == _HOLDER:
-        cached = float(d[4])
+        cached = float(d.reused)
         pre = co.prefill(prompt, cached)
         return (
             (
@@ -395,7 +485,7 @@ def _explain(
         )
     hit = hits[hi][0]
     same = hit.node_id == r.node_id
-    cls_index = (DRAM_LOCAL if same else DRAM_REMOTE) if hit.tier == "dram" else (SSD_LOCAL if same else SSD_REMOTE)
+    cls_index = tier_class(hit.tier, same)
     tier = tiers.by_class(cls_index)
     c = float(end * bs)
     pre = co.prefill(prompt, c)
@@ -413,7 +503,7 @@ def _explain(
             ),
             {"queue_s": q, "shard_queue_s": hit.queue_delay_s, "fetch_s": fetch, "prefill_s": pre, "ttft_s": total},
         )
-    hbm_tokens = float(d[4] - (end - start) * bs)
+    hbm_tokens = float(d.reused - (end - start) * bs)
     head_end = float(start * bs)
     head = co.prefill(head_end, hbm_tokens)
     if staged:

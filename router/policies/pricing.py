@@ -2,7 +2,10 @@
 
 Who calls what: the policies in ``router/policies/`` build one ``Pricer`` at construction (with the ``TierMap``
 the entrypoint parsed from ``configs``) and price candidates through it; the simulator and the ingress build the
-``TierMap`` once (``TierMap.from_tiers(configs.load_tiers())``) and pass it to ``make_policy``.
+``TierMap`` once (``TierMap.from_tiers(configs.load_tiers())``) and pass it to ``make_policy``. The per-action
+candidates at the end (``local_candidate``, ``fetch_candidate``, ``split_candidate``) are the formulas below for one
+replica and hit; the simple policies rank with them and ``cost_based.price_replica`` (its readable reference) is
+built from them.
 
 Why not call ``router.cost`` directly: ``cost.ttft`` re-derives model and GPU constants on every call and
 ``cost.ttft_split`` bisects 48 times; a decision over 64 replicas has a budget of ~100 µs. Here each replica
@@ -288,3 +291,31 @@ def fetch_candidate(pricer: Pricer, replica: ReplicaState, hit: PoolHit, request
     )
     plan = FetchPlan(hit.shard_id, hit.node_id, hit.tier, hbm, end)
     return Candidate(Action.FETCH, replica.replica_id, t, end * bs, plan)
+
+
+def split_candidate(
+    pricer: Pricer, replica: ReplicaState, hit: PoolHit, request: RouteRequest, *, staged: bool = True
+) -> Candidate | None:
+    """SPLIT of ``hit``'s prefix on the replica: compute the head [hbm, k) while the tail [k, prefix) arrives, at the
+    best block boundary k (``HwCoeffs.split_staged`` as the replicas run it, pulled to the replica's node shard and
+    loaded; ``HwCoeffs.split`` for the ideal overlap); ``None`` when no interior boundary exists."""
+    bs = request.block_size
+    hbm = clamp_blocks(replica.hbm_prefix_blocks, request)
+    end = clamp_blocks(hit.prefix_blocks, request)
+    if end <= hbm:
+        return None
+    co = pricer.coeffs(replica.hw)
+    same = hit.node_id == replica.node_id
+    cls_index = tier_class(hit.tier, same)
+    if staged:
+        pull_cls, load_cls = (-1, cls_index) if same else (cls_index, DRAM_LOCAL)
+        s = co.split_staged(pull_cls, load_cls, hbm * bs, end * bs, bs, hit.queue_delay_s)
+    else:
+        s = co.split(cls_index, hbm * bs, end * bs, bs, hit.queue_delay_s)
+    if s is None:
+        return None
+    k, overlap = s
+    prompt = float(max(request.prompt_tokens, 0))
+    t = replica.queue_delay_s + overlap + co.prefill(prompt, end * bs)
+    plan = FetchPlan(hit.shard_id, hit.node_id, hit.tier, k, end)
+    return Candidate(Action.SPLIT, replica.replica_id, t, hbm * bs + (end - k) * bs, plan)

@@ -24,7 +24,6 @@ import pytest
 import ray
 
 from kvpool.checksum import block_checksum
-from kvpool.directory import Directory, DirectorySync
 from kvpool.keys import Namespace, block_keys
 from kvpool.shard.client import ShardClient, ShardHandle
 from kvpool.shard.placement import PoolNode, build_pool, stop_shards
@@ -33,6 +32,8 @@ from kvpool.store import StoreConfig
 from kvpool.transfer import make_endpoint
 from kvpool.transfer.nixl import NixlOptions
 from kvpool.transfer.tcp import TcpOptions
+from router.index import PrefixIndex
+from router.shard_sync import ShardSync
 from tests.ray_cluster_fixture import RayCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -327,18 +328,18 @@ def test_corrupted_ssd_block_is_a_miss_with_metric(pool: Pool, writer: Any, read
     client.release(rep.lease.lease_id)
 
 
-def test_directory_follows_the_shards(pool: Pool, writer: Any) -> None:
-    d = Directory()
-    sync = DirectorySync(d, deadline_s=DEADLINE_S * 4)
-    sync.set_sources([h.event_source() for h in pool.by_node.values()])
+def test_router_view_follows_the_shards(pool: Pool, writer: Any) -> None:
+    sync = ShardSync(PrefixIndex(), deadline_s=DEADLINE_S * 4)
+    sync.set_shards([(h.event_source(), h.node_id) for h in pool.by_node.values()])
     rep = asyncio.run(sync.poll_once())
     assert not rep.failed and sorted(rep.resynced) == sorted(h.shard_id for h in pool.by_node.values())
     keys = keys_for(2, "directory")
     write_blocks(pool, writer, keys, [50, 51])
     rep = asyncio.run(sync.poll_once())
     assert not rep.failed and rep.applied[pool.by_node["a"].shard_id] >= 2
-    holdings = d.prefix(keys)
-    assert [(h.shard_id, h.prefix) for h in holdings] == [(pool.by_node["a"].shard_id, 2)]
+    holdings = sync.index.query(keys).pool
+    assert [(h.shard_id, h.node_id, h.tier, h.prefix_blocks) for h in holdings] == [
+        (pool.by_node["a"].shard_id, pool.by_node["a"].node_id, "dram", 2)]
 
 
 def test_shard_killed_mid_transfer_fails_blocks_within_deadline(

@@ -10,27 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, ShardSnapshot, Tier
-from router.events import (
-    REPLICA_EVENTS_VERSION,
-    ReplicaBlockEvent,
-    ReplicaEventBatch,
-    ReplicaEventKind,
-    ReplicaSnapshot,
-    decode,
-    encode,
-)
+from router.hub import ReplicaReport
 from router.index import PrefixIndex
 from router.policies.base import PoolHit
 from tests.fakes.router import RouterClock, router_keys, router_replica, router_request
 
 KEYS = router_keys(64)
-STORED, REMOVED, CLEARED = ReplicaEventKind.STORED, ReplicaEventKind.REMOVED, ReplicaEventKind.CLEARED
 
 
-def rbatch(replica: str, after: int, events: list[tuple[ReplicaEventKind, Sequence[bytes]]], *, epoch: str = "e1",
-           node: str = "node-0", gap: bool = False) -> ReplicaEventBatch:
-    evs = [ReplicaBlockEvent(after + i + 1, kind, list(keys)) for i, (kind, keys) in enumerate(events)]
-    return ReplicaEventBatch(REPLICA_EVENTS_VERSION, replica, node, epoch, after, after + len(evs), evs, gap)
+def rep(replica: str, seq: int, *, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (), full: bool = False,
+        node: str = "node-0", version: int | None = None) -> ReplicaReport:
+    """Report ``seq`` of a replica, as it publishes it to the hub (a delta after ``seq - 1``, or ``full``)."""
+    extra = {} if version is None else {"version": version}
+    return ReplicaReport(replica_id=replica, node_id=node, seq=seq, running=0, waiting=0, stored=list(stored),
+                         removed=list(removed), full=full, **extra)
 
 
 def sbatch(shard: str, after: int, events: list[tuple[EventKind, bytes, Tier]], *, epoch: str = "e1",
@@ -41,8 +34,8 @@ def sbatch(shard: str, after: int, events: list[tuple[EventKind, bytes, Tier]], 
 
 def test_longest_prefix_per_replica_and_shard_tier() -> None:
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:10])]))
-    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, KEYS[:3] + KEYS[4:20])]))  # a hole at block 3
+    idx.apply_replica_report(rep("r0", 1, stored=KEYS[:10]))
+    idx.apply_replica_report(rep("r1", 1, stored=KEYS[:3] + KEYS[4:20]))  # a hole at block 3
     idx.apply_shard_batch(
         sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in KEYS[:5]]
                + [(EventKind.STORED, k, Tier.SSD) for k in KEYS[:30]]),
@@ -55,9 +48,9 @@ def test_longest_prefix_per_replica_and_shard_tier() -> None:
         PoolHit("s0", "node-3", "ssd", 30),
     ]
     assert idx.query([]).hbm == {} and idx.query(router_keys(3, salt="other")).pool == ()
-    idx.apply_replica_batch(rbatch("r0", 1, [(REMOVED, KEYS[7:10])]))
+    idx.apply_replica_report(rep("r0", 2, removed=KEYS[7:10]))
     assert idx.query(KEYS).hbm["r0"] == 7
-    idx.apply_replica_batch(rbatch("r0", 2, [(CLEARED, [])]))
+    idx.apply_replica_report(rep("r0", 3, full=True))  # the whole key set: empty (vLLM reset its prefix cache)
     assert "r0" not in idx.query(KEYS).hbm and idx.held_blocks("replica", "r0", "hbm") == 0
 
 
@@ -82,8 +75,8 @@ def test_query_cost_is_proportional_to_the_matched_length() -> None:
 
     keys = router_keys(20_000)
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, keys[:10])]))
-    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, keys[:5000])]))
+    idx.apply_replica_report(rep("r0", 1, stored=keys[:10]))
+    idx.apply_replica_report(rep("r1", 1, stored=keys[:5000]))
     req = Counting(keys)
     assert idx.query(req).hbm == {"r0": 10, "r1": 5000}
     assert Counting.touched <= 2 * 5000 + 64
@@ -94,53 +87,56 @@ def test_query_cost_is_proportional_to_the_matched_length() -> None:
 
 def test_gap_marks_stale_requests_resync_and_snapshot_repairs() -> None:
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:4])]))
-    assert not idx.is_stale("replica", "r0") and idx.take_resync_requests() == []
+    idx.apply_replica_report(rep("r0", 1, stored=KEYS[:4]))
+    assert not idx.is_stale("replica", "r0") and idx.take_resync_requests("replica") == []
     # seq 2 is lost: the batch after seq 2 arrives; it is applied but the source is stale.
-    idx.apply_replica_batch(rbatch("r0", 2, [(STORED, KEYS[10:12])]))
-    assert idx.is_stale("replica", "r0")
-    (req,) = idx.take_resync_requests()
+    idx.apply_replica_report(rep("r0", 3, stored=KEYS[10:12]))
+    assert idx.is_stale("replica", "r0") and idx.cursor("replica", "r0") is None
+    assert idx.take_resync_requests("shard") == []
+    (req,) = idx.take_resync_requests("replica")
     assert (req.source_kind, req.source_id) == ("replica", "r0") and "gap" in req.reason
     # More events while waiting (seq 4), then the snapshot taken at seq 3 arrives: state = snapshot + seq 4.
-    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, KEYS[:1])]))
-    idx.apply_replica_snapshot(ReplicaSnapshot(REPLICA_EVENTS_VERSION, "r0", "node-0", "e1", 3, KEYS[:8]))
-    assert not idx.is_stale("replica", "r0")
+    idx.apply_replica_report(rep("r0", 4, removed=KEYS[:1]))
+    idx.apply_replica_report(rep("r0", 3, stored=KEYS[:8], full=True))
+    assert not idx.is_stale("replica", "r0") and idx.cursor("replica", "r0") == ("r0", 4)
     assert idx.query(KEYS).hbm == {}  # block 0 removed at seq 4, replayed after the snapshot
     assert idx.held_blocks("replica", "r0", "hbm") == 7
     # A duplicate / overlapping batch is ignored.
-    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, KEYS[:1])]))
-    idx.apply_replica_batch(rbatch("r0", 4, [(STORED, KEYS[:1])]))
+    idx.apply_replica_report(rep("r0", 4, removed=KEYS[:1]))
+    idx.apply_replica_report(rep("r0", 5, stored=KEYS[:1]))
     assert idx.query(KEYS).hbm == {"r0": 8}
 
 
 def test_publisher_gap_flag_and_mid_epoch_join() -> None:
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r5", 40, [(STORED, KEYS[:2])]))  # first seen at seq 41
+    idx.apply_replica_report(rep("r5", 41, stored=KEYS[:2]))  # first seen at seq 41
     assert idx.is_stale("replica", "r5")
-    assert "mid-epoch" in idx.take_resync_requests()[0].reason
+    assert "mid-epoch" in idx.take_resync_requests("replica")[0].reason
     idx.apply_shard_batch(sbatch("s1", 0, [], gap=True), node_id="n1")
-    (req,) = idx.take_resync_requests()
+    (req,) = idx.take_resync_requests("shard")
     assert (req.source_kind, req.source_id) == ("shard", "s1")
     snap = ShardSnapshot(EVENTS_WIRE_VERSION, "s1", "e1", 9, list(KEYS[:3]), [Tier.DRAM, Tier.DRAM, Tier.SSD])
     idx.apply_shard_snapshot(snap, node_id="n1")
     assert {h.tier: h.prefix_blocks for h in idx.query(KEYS).pool} == {"dram": 2}
-    assert not idx.is_stale("shard", "s1")
+    assert not idx.is_stale("shard", "s1") and idx.cursor("shard", "s1") == ("e1", 9)
 
 
 def test_new_epoch_resets_the_source() -> None:
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:6])]))
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:2])], epoch="e2"))  # restarted, full history
-    assert idx.query(KEYS).hbm == {"r0": 2} and not idx.is_stale("replica", "r0")
+    idx.apply_shard_batch(sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in KEYS[:6]]), node_id="n")
+    # restarted, full history
+    idx.apply_shard_batch(sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in KEYS[:2]], epoch="e2"), "n")
+    assert {h.tier: h.prefix_blocks for h in idx.query(KEYS).pool} == {"dram": 2}
+    assert not idx.is_stale("shard", "s0") and idx.cursor("shard", "s0") == ("e2", 2)
 
 
 def test_sources_not_heard_from_within_ttl_are_dropped() -> None:
     clock = RouterClock()
     idx = PrefixIndex(ttl_s=10, clock=clock)
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, KEYS[:4])]))
-    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, KEYS[:4])]))
+    idx.apply_replica_report(rep("r0", 1, stored=KEYS[:4]))
+    idx.apply_replica_report(rep("r1", 1, stored=KEYS[:4]))
     clock.advance(6)
-    idx.apply_replica_batch(rbatch("r1", 1, []))  # heartbeat
+    idx.apply_replica_report(rep("r1", 2))  # heartbeat
     clock.advance(6)
     assert idx.expire() == [("replica", "r0")]
     assert idx.query(KEYS).hbm == {"r1": 4} and len(idx) == 4
@@ -152,7 +148,7 @@ def test_sources_not_heard_from_within_ttl_are_dropped() -> None:
 def test_bits_are_reused_after_a_holder_goes() -> None:
     idx = PrefixIndex(clock=RouterClock())
     for i in range(50):
-        idx.apply_replica_batch(rbatch(f"r{i}", 0, [(STORED, KEYS[:i + 1])]))
+        idx.apply_replica_report(rep(f"r{i}", 1, stored=KEYS[:i + 1]))
         if i >= 2:
             idx.remove_source("replica", f"r{i - 2}")
     assert len(idx._by_bit) <= 3  # the masks stay small as replicas churn
@@ -163,7 +159,7 @@ def test_snapshot_fills_prefixes_and_shard_queues() -> None:
     idx = PrefixIndex(clock=RouterClock())
     request = router_request(64 * 16)
     keys = list(request.block_keys)
-    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, keys[:20])]))
+    idx.apply_replica_report(rep("r1", 1, stored=keys[:20]))
     idx.apply_shard_batch(sbatch("s0", 0, [(EventKind.STORED, k, Tier.DRAM) for k in keys]), node_id="node-2")
     reps = [router_replica("r0"), router_replica("r1"), router_replica("r2", hbm_prefix_blocks=5)]  # r2: stale value
     snap = idx.snapshot(request, reps, {"s0": 0.02})
@@ -172,13 +168,16 @@ def test_snapshot_fills_prefixes_and_shard_queues() -> None:
     assert snap.pool_hits == (PoolHit("s0", "node-2", "dram", 64, 0.02),)
 
 
-def test_events_round_trip_and_versions_are_checked() -> None:
-    batch = rbatch("r0", 0, [(STORED, KEYS[:3]), (CLEARED, [])])
-    assert decode(encode(batch)) == batch
+def test_one_report_removes_then_stores_and_versions_are_checked() -> None:
     idx = PrefixIndex(clock=RouterClock())
-    bad = ReplicaEventBatch(99, "r0", "n", "e", 0, 0, [])
+    idx.apply_replica_report(rep("r0", 1, stored=KEYS[:4]))
+    idx.apply_replica_report(rep("r0", 2, removed=KEYS[2:4], stored=KEYS[3:6]))  # one seq, both changes
+    assert idx.held_blocks("replica", "r0", "hbm") == 5 and idx.query(KEYS).hbm == {"r0": 2}
+    assert idx.cursor("replica", "r0") == ("r0", 2) and not idx.is_stale("replica", "r0")
     with pytest.raises(ValueError, match="version 99"):
-        idx.apply_replica_batch(bad)
+        idx.apply_replica_report(rep("r0", 3, version=99))
+    with pytest.raises(ValueError, match="version 99"):
+        idx.apply_shard_batch(EventBatch(99, "s0", "e", 0, 0, []), node_id="n")
 
 
 @settings(max_examples=60, deadline=None)
@@ -193,15 +192,16 @@ def test_query_matches_brute_force(holdings: list[set[int]], length: int, ops: l
     seqs = [0] * len(holdings)
     held = [set(h) for h in holdings]
     for r, h in enumerate(holdings):
-        idx.apply_replica_batch(rbatch(f"r{r}", 0, [(STORED, [keys[i] for i in sorted(h)])]))
+        idx.apply_replica_report(rep(f"r{r}", 1, stored=[keys[i] for i in sorted(h)]))
         seqs[r] = 1
     rng = random.Random(len(ops))
     for r, i in ops:  # random removals / re-adds
         if r >= len(holdings):
             continue
-        kind = REMOVED if i in held[r] and rng.random() < 0.7 else STORED
-        (held[r].discard if kind is REMOVED else held[r].add)(i)
-        idx.apply_replica_batch(rbatch(f"r{r}", seqs[r], [(kind, [keys[i]])]))
+        remove = i in held[r] and rng.random() < 0.7
+        (held[r].discard if remove else held[r].add)(i)
+        change = {"removed" if remove else "stored": [keys[i]]}
+        idx.apply_replica_report(rep(f"r{r}", seqs[r] + 1, **change))
         seqs[r] += 1
     expected = {}
     for r, h in enumerate(held):
@@ -262,9 +262,9 @@ def test_learned_chains_stay_exact_under_interleaved_queries(
             assert idx.query(keys[:n]).hbm == expected
             continue
         chunk = keys[start : start + run]
-        kind = STORED if op == "store" else REMOVED
         (held[r].update if op == "store" else held[r].difference_update)(chunk)
-        idx.apply_replica_batch(rbatch(f"r{r}", seqs[r], [(kind, chunk)]))
+        change = {"stored" if op == "store" else "removed": chunk}
+        idx.apply_replica_report(rep(f"r{r}", seqs[r] + 1, **change))
         seqs[r] += 1
     assert idx.learned_blocks() <= len(set().union(*held))
 
@@ -272,19 +272,19 @@ def test_learned_chains_stay_exact_under_interleaved_queries(
 def test_learned_branches_follow_removals_and_additions_in_their_shared_part() -> None:
     a, b = _tree_keys(8, 24)
     idx = PrefixIndex(clock=RouterClock())
-    idx.apply_replica_batch(rbatch("r0", 0, [(STORED, a + b[8:])]))
-    idx.apply_replica_batch(rbatch("r1", 0, [(STORED, a[:20] + b[8:20])]))
+    idx.apply_replica_report(rep("r0", 1, stored=a + b[8:]))
+    idx.apply_replica_report(rep("r1", 1, stored=a[:20] + b[8:20]))
     assert idx.query(a).hbm == {"r0": 24, "r1": 20}
     assert idx.query(b).hbm == {"r0": 24, "r1": 20}  # learns a branch off a's chain at block 8
     assert idx.learned_blocks() == 24 + 16
-    idx.apply_replica_batch(rbatch("r0", 1, [(REMOVED, [a[3]])]))  # in the shared part: both branches lose r0
+    idx.apply_replica_report(rep("r0", 2, removed=[a[3]]))  # in the shared part: both branches lose r0
     assert idx.query(b).hbm == {"r0": 3, "r1": 20}
     assert idx.query(a).hbm == {"r0": 3, "r1": 20}
-    idx.apply_replica_batch(rbatch("r0", 2, [(STORED, [a[3]])]))  # the hole is filled: r0 rejoins both
+    idx.apply_replica_report(rep("r0", 3, stored=[a[3]]))  # the hole is filled: r0 rejoins both
     assert idx.query(b).hbm == {"r0": 24, "r1": 20}
     assert idx.query(a).hbm == {"r0": 24, "r1": 20}
-    idx.apply_replica_batch(rbatch("r1", 1, [(REMOVED, [a[0]])]))  # r1 leaves every prefix
+    idx.apply_replica_report(rep("r1", 2, removed=[a[0]]))  # r1 leaves every prefix
     assert idx.query(b).hbm == {"r0": 24}
-    idx.apply_replica_batch(rbatch("r0", 3, [(REMOVED, [a[0]])]))  # nobody holds block 0: all learned is forgotten
+    idx.apply_replica_report(rep("r0", 4, removed=[a[0]]))  # nobody holds block 0: all learned is forgotten
     assert idx.learned_blocks() == 0
     assert idx.query(b).hbm == {} and idx.query(a).hbm == {}

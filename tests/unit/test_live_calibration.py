@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvpool.shard.client import ShardHandle
+from kvpool.shard.client import ShardEventSource
 from router.hub import HubState, PollReply, ReplicaReport, TransferSample
 from router.ingress_settings import IngressSettings
 from router.live_view import LiveView
@@ -24,8 +24,8 @@ def make_view() -> LiveView:
         tiers={"local_dram": "cpu-dram", "remote_dram": "rdma-pool", "local_ssd": "local-ssd"},
     )
     view = LiveView.from_settings(settings)
-    view._shards = {"shard-a": ShardHandle("shard-a", "node-a", None),
-                    "shard-b": ShardHandle("shard-b", "node-b", None)}
+    view.shard_sync.set_shards([(ShardEventSource(None, sid), node) for sid, node in [("shard-a", "node-a"),
+                                                                                       ("shard-b", "node-b")]])
     return view
 
 

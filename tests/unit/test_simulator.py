@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.agent import AgentWorkload, plan_sessions, workload_trace
-from bench.sim_cache import BlockCache, PrefixIndex
+from bench.sim_cache import BlockCache, BlockHolders
 from bench.simulate import SimConfig, SimResult, simulate
 from bench.traces import TraceRecord, load_trace
 from cluster.cli import main as kvstack_main
@@ -152,7 +152,7 @@ def test_prefill_time_falls_with_hits() -> None:
 
 # ------------------------------------------------------------------------------------------------ caches
 def test_block_cache_lru_evicts_tails_first_and_spills() -> None:
-    index = PrefixIndex()
+    index = BlockHolders()
     ssd = BlockCache(2, 1000, index)
     dram = BlockCache(1, 300, index, spill=ssd)
     dram.admit([10, 11, 12], [100, 100, 100])
@@ -166,7 +166,7 @@ def test_block_cache_lru_evicts_tails_first_and_spills() -> None:
 
 
 def test_block_cache_zero_and_unbounded() -> None:
-    index = PrefixIndex()
+    index = BlockHolders()
     off = BlockCache(0, 0, index)
     off.admit([1, 2], [5, 5])
     assert len(off) == 0

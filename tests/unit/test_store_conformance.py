@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from kvpool.checksum import block_checksum
-from kvpool.directory import Directory
 from kvpool.events import EventKind, Tier
 from kvpool.keys import Namespace, block_keys
 from kvpool.store import BlockStore, StoreConfig
+from router.index import PrefixIndex
+from router.policies.base import PoolHit
 
 SLOT = 4096
 FP = "f" * 32
@@ -322,8 +323,8 @@ def test_no_ssd_tier_evicts_from_dram(make_store, tmp_path: Path, clock: FakeClo
 
 def test_events_describe_the_store(tier: TierPlacement, make_store, clock: FakeClock) -> None:
     store = make_store(dram=3, ssd=3)
-    d = Directory()
-    d.load_snapshot(store.snapshot())
+    index = PrefixIndex(clock=lambda: 0.0)
+    index.apply_shard_snapshot(store.snapshot(), "node")
     for i in range(4):
         tier.place(store, keys_for(2, f"r{i}"), [2 * i, 2 * i + 1])
         tier.corrupt(store, keys_for(2, f"r{i}")[1])
@@ -335,11 +336,12 @@ def test_events_describe_the_store(tier: TierPlacement, make_store, clock: FakeC
     if tier.tier is Tier.SSD:
         assert EventKind.TIER_CHANGED in kinds
     assert [e.seq for e in batch.events] == list(range(1, len(batch.events) + 1))
-    assert d.apply(batch)
+    index.apply_shard_batch(batch, "node")
     snap = store.snapshot()
-    expected = {k: {store.shard_id: t} for k, t in zip(snap.keys, snap.tiers, strict=True)}
-    assert {k: d.locate(k) for k in snap.keys} == expected
-    assert len(d) == len(snap.keys)
+    assert index.cursor("shard", store.shard_id) == (store.epoch, snap.seq)  # applied in order, no resync wanted
+    expected = {k: [PoolHit(store.shard_id, "node", t.value, 1)] for k, t in zip(snap.keys, snap.tiers, strict=True)}
+    assert {k: list(index.query([k]).pool) for k in snap.keys} == expected
+    assert len(index) == len(snap.keys)
 
 
 def test_touched_blocks_outlive_untouched_ones(make_store, tmp_path: Path, clock: FakeClock) -> None:

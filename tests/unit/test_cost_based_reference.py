@@ -1,0 +1,82 @@
+"""cost_based's tight loop (``_Group.options``, and ``rank`` over it) against the formulas written out
+(``price_replica``, built from ``router.policies.pricing``'s per-action candidates): same actions, same plans, same
+costs up to float rounding, on random clusters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.policies.base import Candidate, ClusterSnapshot, PoolHit, RouteRequest
+from router.policies.cost_based import CostBased, _candidate, _Group, price_replica
+from router.policies.pricing import Pricer
+from tests.fakes.router import router_hw, router_replica, router_tier_map
+
+HARDWARE = [router_hw(), router_hw("qwen3.5-27b", "h200-sxm5-141gb"), router_hw("qwen3-14b", "a100-sxm4-80gb", mfu=0.3)]
+
+
+def _case(rng: random.Random) -> tuple[RouteRequest, list[PoolHit], list]:  # type: ignore[type-arg]
+    bs = rng.choice([16, 32])
+    prompt = rng.randint(1, 40_000)
+    n_keys = prompt // bs if rng.random() < 0.9 else rng.randint(0, prompt // bs)
+    request = RouteRequest("q", prompt, bs, [i.to_bytes(16, "big") for i in range(n_keys)])
+    top = max(1, prompt // bs + 3)
+    hits = [PoolHit(f"s{j}", f"node-{rng.randint(0, 3)}", rng.choice(["dram", "ssd"]), rng.randint(0, top),
+                    rng.choice([0.0, rng.uniform(0, 0.05)]))
+            for j in range(rng.randint(0, 5))]
+    hw = rng.choice(HARDWARE)
+    replicas = [router_replica(f"r{i}", f"node-{rng.randint(0, 3)}", queue_delay_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
+                               hbm_prefix_blocks=rng.choice([0, rng.randint(0, top)]), hw=hw)
+                for i in range(rng.randint(1, 6))]
+    return request, hits, replicas
+
+
+def _key(c: Candidate) -> tuple:  # type: ignore[type-arg]
+    f = c.fetch
+    return (c.action.value, c.replica_id, c.reused_tokens, None if f is None else (f.shard_id, f.start_block, f.end_block))
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("gain", [0.15, 0.0, None])
+def test_options_match_the_written_out_formulas(staged: bool, gain: float | None) -> None:
+    rng = random.Random(f"{staged}{gain}")
+    pricer = Pricer(router_tier_map())
+    splits_seen = 0
+    for _ in range(400):
+        request, hits, replicas = _case(rng)
+        bs = request.block_size
+        max_blocks = min(len(request.block_keys), request.prompt_tokens // bs)
+        clamped = [(h, min(h.prefix_blocks, max_blocks)) for h in hits if min(h.prefix_blocks, max_blocks) > 0]
+        for r in replicas:
+            group = _Group(pricer.coeffs(r.hw), float(request.prompt_tokens), bs, clamped,
+                           0.0 if gain is None else 1.0 - gain, staged)
+            hb = min(r.hbm_prefix_blocks, max_blocks)
+            fast = [_candidate(r, plan, r.queue_delay_s + t, clamped) for t, plan in group.options(hb, r.node_id)]
+            assert [_key(c) for c in fast] == [_key(c) for c in
+                                               [_candidate(r, p, r.queue_delay_s + t, clamped)
+                                                for t, p in group.priced(hb, r.node_id)]]
+            ref = price_replica(pricer, r, request, [h for h, _ in clamped], split_min_gain=gain, split_staging=staged)
+            assert sorted(map(_key, fast)) == sorted(map(_key, ref))
+            by_key = {_key(c): c.predicted_ttft_s for c in ref}
+            for c in fast:
+                assert c.predicted_ttft_s == pytest.approx(by_key[_key(c)], rel=1e-9, abs=1e-12)
+            splits_seen += sum(c.action.value == "split" for c in fast)
+    if gain is not None:
+        assert splits_seen > 0  # the cases reach SPLIT, so its branch is compared too
+
+
+def test_rank_picks_the_cheapest_written_out_candidate() -> None:
+    rng = random.Random(7)
+    tiers = router_tier_map()
+    pricer = Pricer(tiers)
+    for _ in range(300):
+        request, hits, replicas = _case(rng)
+        policy = CostBased(tier_map=tiers, rng=None)
+        ranking = policy.rank(request, ClusterSnapshot(replicas, tuple(hits)))
+        ref = [c for r in replicas for c in price_replica(pricer, r, request, hits, split_min_gain=0.15)]
+        cheapest = min(c.predicted_ttft_s for c in ref)
+        best = ranking.candidates[0]
+        assert best.predicted_ttft_s == pytest.approx(cheapest, rel=1e-9, abs=1e-12)
+        assert any(_key(c) == _key(best) and c.predicted_ttft_s == pytest.approx(best.predicted_ttft_s, rel=1e-9)
+                   for c in ref)
