@@ -287,8 +287,7 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
     plain vLLM's own server on the same engine settings with one bound engine thread like each replica — with
     its prefix cache empty, and holding exactly the prefix kvstack reused. No unexplained difference."""
     from bench.oracle import ReferenceServer, compare
-    from cluster.commands.serve import DEFAULT_CONFIG
-    from cluster.serve_config import load_serve_config
+    from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 
     engine = load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
                                ).app.engine
