@@ -1,21 +1,19 @@
 """One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP).
 
-Peers run in separate processes (multiprocessing "spawn"), each owning one endpoint and one registered region
-filled with a seeded random pattern; the test process is the client. No Ray. A peer is driven through a pipe
-(``digest``, ``stop``); freezing and killing use real signals on the peer process.
+Peers run in separate processes (``bench.transfer_peer``, the harness ``kvstack bench transfer`` measures with), each
+owning one endpoint and one registered region filled with a seeded random pattern; the test process is the client.
+No Ray. A peer is driven through a pipe (``Register``, ``Digest``, ``Stop``); freezing and killing use real signals
+on the peer process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -23,6 +21,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.transfer_peer import PeerProcess, pattern, transport_options
+from bench.transfer_peer import start_peer as start_transfer_peer
 from kvpool.transfer import (
     TRANSFER_WIRE_VERSION,
     BlockOp,
@@ -45,98 +45,12 @@ BACKENDS = ["nixl", "tcp"]
 
 
 def _options(backend: str, host: str) -> dict[str, Any]:
-    if backend == "nixl":
-        from kvpool.transfer.nixl import NixlOptions
-
-        return {"options": NixlOptions(ucx_devices="lo")}
-    from kvpool.transfer.tcp import TcpOptions
-
-    return {"options": TcpOptions(bind_host=host)}
+    return {"options": transport_options(backend, host)}
 
 
-def pattern(seed: int, size: int) -> np.ndarray:
-    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
-
-
-def _peer_main(backend: str, name: str, host: str, seed: int, size: int, conn: Connection) -> None:
-    """Body of a peer process: one endpoint, one region, then serve pipe commands until ``stop``."""
-    endpoint = make_endpoint(backend, name, **_options(backend, host))
-    region = pattern(seed, size)
-    endpoint.register(memoryview(region))
-    conn.send(("ready", encode_metadata(endpoint.metadata())))
-    try:
-        while True:
-            if not conn.poll(600):
-                return
-            cmd = conn.recv()
-            if cmd[0] == "register":  # a second region, registered after the metadata went out
-                extra = pattern(cmd[1], cmd[2])
-                endpoint.register(memoryview(extra))
-                conn.send(encode_metadata(endpoint.metadata()))
-            elif cmd[0] == "digest":
-                _, offset, length = cmd
-                conn.send(hashlib.sha256(region[offset : offset + length].tobytes()).hexdigest())
-            elif cmd[0] == "stop":
-                return
-    finally:
-        endpoint.close()
-
-
-@dataclass
-class Peer:
-    process: mp.process.BaseProcess
-    conn: Connection
-    meta_raw: bytes
-    seed: int
-
-    @property
-    def meta(self) -> Any:
-        return decode_metadata(self.meta_raw)
-
-    @property
-    def name(self) -> str:
-        return self.meta.agent_name
-
-    def expected(self, offset: int, length: int) -> np.ndarray:
-        return pattern(self.seed, PEER_REGION)[offset : offset + length]
-
-    def digest(self, offset: int, length: int) -> str:
-        self.conn.send(("digest", offset, length))
-        if not self.conn.poll(30):
-            raise TimeoutError("peer did not answer digest")
-        return str(self.conn.recv())
-
-    def register_more(self, seed: int, size: int) -> bytes:
-        self.conn.send(("register", seed, size))
-        if not self.conn.poll(30):
-            raise TimeoutError("peer did not answer register")
-        return bytes(self.conn.recv())
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                os.kill(self.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                self.conn.send(("stop",))
-            except (OSError, BrokenPipeError):
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-
-
-def start_peer(backend: str, name: str, seed: int, host: str = "127.0.0.2") -> Peer:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_peer_main, args=(backend, name, host, seed, PEER_REGION, child), daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(PEER_START_TIMEOUT_S):
-        proc.kill()
-        raise TimeoutError(f"peer {name} did not start within {PEER_START_TIMEOUT_S}s")
-    tag, raw = parent.recv()
-    assert tag == "ready"
-    return Peer(process=proc, conn=parent, meta_raw=raw, seed=seed)
+def start_peer(backend: str, name: str, seed: int, host: str = "127.0.0.2") -> PeerProcess:
+    return start_transfer_peer([backend], {backend: name}, seed=seed, size=PEER_REGION, host=host,
+                               start_timeout_s=PEER_START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -145,14 +59,14 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def peer(backend: str) -> Iterator[Peer]:
+def peer(backend: str) -> Iterator[PeerProcess]:
     p = start_peer(backend, "shard-a", seed=11)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
-def client(backend: str, peer: Peer) -> Iterator[TransferEndpoint]:
+def client(backend: str, peer: PeerProcess) -> Iterator[TransferEndpoint]:
     ep = make_endpoint(backend, "client", **_options(backend, "127.0.0.3"))
     ep.add_peer(peer.meta)
     yield ep
@@ -167,9 +81,9 @@ def fresh_client(backend: str) -> Iterator[TransferEndpoint]:
 
 
 @pytest.fixture
-def own_peer(backend: str) -> Iterator[list[Peer]]:
+def own_peer(backend: str) -> Iterator[list[PeerProcess]]:
     """Peers a test starts itself (frozen, killed, restarted); always stopped afterwards."""
-    peers: list[Peer] = []
+    peers: list[PeerProcess] = []
     yield peers
     for p in peers:
         p.stop()
@@ -189,7 +103,7 @@ def local_region(ep: TransferEndpoint, size: int) -> tuple[int, np.ndarray]:
     [(64 * KIB, 1), (64 * KIB, 7), (64 * KIB, 1024), (1 * MIB, 1), (1 * MIB, 64), (1 * MIB, 1024)],
     ids=["64k-x1", "64k-x7", "64k-x1024", "1m-x1", "1m-x64", "1m-x1024"],
 )
-def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: Peer, block: int, count: int) -> None:
+def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: PeerProcess, block: int, count: int) -> None:
     blocks_in_peer = PEER_REGION // block
     rng = np.random.default_rng(count)
     remote_blocks = rng.permutation(max(count, blocks_in_peer))[:count] % blocks_in_peer
@@ -204,7 +118,7 @@ def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: Peer,
 
 
 @pytest.mark.timeout(60)
-def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: Peer) -> None:
+def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: PeerProcess) -> None:
     lengths = [1, 4095, 65536, 3, 200_000, 17]
     region, buf = local_region(client, sum(lengths) + 100)
     ops, at, rat = [], 0, 12345
@@ -222,7 +136,7 @@ def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: Peer) -> Non
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("block", "count"), [(64 * KIB, 1), (64 * KIB, 256), (1 * MIB, 16)])
 def test_write_then_read_back(
-    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, block: int, count: int
+    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str, block: int, count: int
 ) -> None:
     p = start_peer(backend, "shard-w", seed=5)
     own_peer.append(p)
@@ -245,7 +159,7 @@ def test_write_then_read_back(
 
 
 @pytest.mark.timeout(30)
-def test_empty_batch_is_ok(client: TransferEndpoint, peer: Peer) -> None:
+def test_empty_batch_is_ok(client: TransferEndpoint, peer: PeerProcess) -> None:
     result = client.read(peer.name, [], deadline_s=1.0)
     assert result.all_ok and result.ok == [] and result.bytes_moved == 0
 
@@ -276,7 +190,7 @@ def test_unknown_peer_fails_as_data(client: TransferEndpoint) -> None:
 )
 def test_out_of_range_ops_are_rejected(
     client: TransferEndpoint,
-    peer: Peer,
+    peer: PeerProcess,
     remote_region: int,
     remote_offset: int,
     local_offset: int,
@@ -291,20 +205,20 @@ def test_out_of_range_ops_are_rejected(
 
 
 @pytest.mark.timeout(30)
-def test_unknown_local_region_is_rejected(client: TransferEndpoint, peer: Peer) -> None:
+def test_unknown_local_region_is_rejected(client: TransferEndpoint, peer: PeerProcess) -> None:
     with pytest.raises(ValueError, match="unknown local region 999"):
         client.read(peer.name, [BlockOp(0, 0, 999, 0, 16)], deadline_s=1.0)
 
 
 @pytest.mark.timeout(30)
-def test_expired_deadline_fails_without_moving_bytes(client: TransferEndpoint, peer: Peer) -> None:
+def test_expired_deadline_fails_without_moving_bytes(client: TransferEndpoint, peer: PeerProcess) -> None:
     region, buf = local_region(client, 4096)
     result = client.read(peer.name, [BlockOp(0, 0, region, 0, 4096)], deadline_s=0.0)
     assert result.failed == [0] and not buf.any()
 
 
 @pytest.mark.timeout(30)
-def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: Peer) -> None:
+def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: PeerProcess) -> None:
     region, _ = local_region(fresh_client, 4096)
     fresh_client.add_peer(peer.meta)
     assert fresh_client.read(peer.name, [BlockOp(0, 0, region, 0, 4096)], 10.0).all_ok
@@ -317,7 +231,7 @@ def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: Peer) 
 
 
 @pytest.mark.timeout(30)
-def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: Peer, backend: str) -> None:
+def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: PeerProcess, backend: str) -> None:
     meta = peer.meta
     with pytest.raises(StaleMetadataError, match="version"):
         fresh_client.add_peer(msgspec.structs.replace(meta, version=TRANSFER_WIRE_VERSION + 1))
@@ -346,7 +260,7 @@ def test_metadata_of_other_backend_endpoint_is_rejected(fresh_client: TransferEn
 
 
 @pytest.mark.timeout(30)
-def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: Peer) -> None:
+def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: PeerProcess) -> None:
     region, buf = local_region(fresh_client, 4096)
     fresh_client.add_peer(peer.meta)
     fresh_client.add_peer(peer.meta)
@@ -356,7 +270,7 @@ def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: Peer) -> Non
 
 @pytest.mark.timeout(120)
 def test_restarted_peer_replaces_the_old_one(
-    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
 ) -> None:
     first = start_peer(backend, "shard-r", seed=1)
     own_peer.append(first)
@@ -384,7 +298,7 @@ def test_restarted_peer_replaces_the_old_one(
 
 @pytest.mark.timeout(60)
 def test_region_registered_later_is_reachable_after_refresh(
-    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
 ) -> None:
     p = start_peer(backend, "shard-grow", seed=21)
     own_peer.append(p)
@@ -392,7 +306,7 @@ def test_region_registered_later_is_reachable_after_refresh(
     region, buf = local_region(fresh_client, 2 * MIB)
     with pytest.raises(ValueError, match="unknown remote region 1"):
         fresh_client.read(p.name, [BlockOp(1, 0, region, 0, MIB)], 5.0)
-    newer = decode_metadata(p.register_more(seed=22, size=4 * MIB))
+    newer = decode_metadata(p.register_more(seed=22, size=4 * MIB)[backend])
     assert newer.epoch == p.meta.epoch and len(newer.regions) == 2
     fresh_client.add_peer(newer)  # same incarnation, more memory: refreshed, not rejected
     ops = [BlockOp(1, 3 * MIB, region, 0, MIB), BlockOp(0, 0, region, MIB, MIB)]
@@ -426,7 +340,7 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("direction", ["read", "write"])
 def test_frozen_peer_before_first_contact_fails_within_deadline(
-    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, direction: str
+    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str, direction: str
 ) -> None:
     p = start_peer(backend, "shard-f", seed=3)
     own_peer.append(p)
@@ -446,7 +360,7 @@ def test_frozen_peer_before_first_contact_fails_within_deadline(
 
 @pytest.mark.timeout(90)
 def test_frozen_peer_after_contact_returns_within_deadline(
-    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
 ) -> None:
     """After contact, NIXL on one host reads a stopped process's memory with CMA (no peer CPU needed): ok is a
     valid answer then, but only with the right bytes. TCP needs the peer's CPU, so it must fail."""
@@ -469,7 +383,7 @@ def test_frozen_peer_after_contact_returns_within_deadline(
 
 
 @pytest.mark.timeout(90)
-def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str) -> None:
+def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str) -> None:
     p = start_peer(backend, "shard-k", seed=6)
     own_peer.append(p)
     region, _ = local_region(fresh_client, 16 * MIB)
@@ -486,7 +400,7 @@ def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_p
 
 
 @pytest.mark.timeout(120)
-def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str) -> None:
+def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str) -> None:
     """Kill during a large batch: the call returns within the deadline; every op is ok or failed; ok ops hold
     exactly the peer's bytes."""
     p = start_peer(backend, "shard-m", seed=8)
@@ -514,7 +428,7 @@ def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list
 
 
 @pytest.mark.timeout(60)
-def test_metrics_count_bytes_and_failures(backend: str, peer: Peer) -> None:
+def test_metrics_count_bytes_and_failures(backend: str, peer: PeerProcess) -> None:
     registry = CollectorRegistry()
     ep = make_endpoint(backend, "client-metrics", metrics=TransferMetrics(registry), **_options(backend, "127.0.0.6"))
     try:
