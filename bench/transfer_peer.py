@@ -5,7 +5,7 @@
 the same arena (the bench's ``tcp_socket`` ceiling), and sends back the endpoints' metadata. It is then driven
 through a pipe with typed commands: ``Register`` (a second region, registered after the metadata went out; answers
 the new metadata), ``Digest`` (sha256 of a byte range of the arena, the peer's own view of its memory) and ``Stop``.
-Freezing and killing are real signals on ``PeerProcess.process``.
+``kill``, ``freeze`` and ``thaw`` are real signals on the peer process.
 
 Who calls it: ``bench.transfer_bench`` (one peer, every backend, with the socket server) and
 ``tests/integration/test_transport_conformance.py`` (one backend per peer; peers frozen, killed, restarted).
@@ -21,6 +21,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -186,6 +187,27 @@ class PeerProcess:
     def register_more(self, seed: int, size: int) -> dict[str, bytes]:
         """Register a second region (``pattern(seed, size)``); returns every backend's new encoded metadata."""
         return dict(self._ask(Register(seed, size)))
+
+    def kill(self) -> None:
+        """SIGKILL the peer and reap it."""
+        self.process.kill()
+        self.process.join(10)
+
+    def freeze(self) -> None:
+        """SIGSTOP, and wait until the kernel reports the process stopped (delivery is asynchronous)."""
+        pid = self.process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.005)
+        raise TimeoutError(f"process {pid} did not stop")
+
+    def thaw(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         if self.process.is_alive():

@@ -322,25 +322,39 @@ from kvpool.transfer.base import AgentMetadata as _PAgentMetadata
 from kvpool.transfer.base import BlockOp as _PBlockOp
 from kvpool.transfer.base import RegionDesc as _PRegionDesc
 from kvpool.transfer.base import TransferEndpoint as _PTransferEndpoint
+from kvpool.transfer.base import StaleMetadataError as _PStaleMetadataError
 from kvpool.transfer.base import TransferResult as _PTransferResult
+from kvpool.transfer.common import Deadline as _PDeadline
+from kvpool.transfer.common import OpTable as _POpTable
+from kvpool.transfer.common import admit as _p_admit
+from kvpool.transfer.common import all_failed as _p_all_failed
+from kvpool.transfer.common import new_epoch as _p_new_epoch
+from kvpool.transfer.metrics import TransferMetrics as _PTransferMetrics
 
 
 class LoopbackFabric:
     def __init__(self) -> None:
         self.buffers: dict[str, list[memoryview]] = {}
         self.dead: set[str] = set()
+        self.frozen: set[str] = set()  # ops to a frozen agent wait out their deadline, then fail
         self.fail_ops: set[int] = set()
 
 
 class LoopbackEndpoint(_PTransferEndpoint):
+    """Runs through the transport conformance suite like the real backends: peers admitted by the shared rule
+    (``kvpool.transfer.common.admit``: version, backend, epoch order), ops validated up front (``OpTable``), every
+    call bounded by its deadline, failures as data, ``TransferMetrics`` observed per call."""
+
     backend = "loopback"
 
-    def __init__(self, fabric: LoopbackFabric, agent_name: str, epoch: str = "e1") -> None:
+    def __init__(self, fabric: LoopbackFabric, agent_name: str, epoch: str | None = None,
+                 metrics: _PTransferMetrics | None = None) -> None:
         self.fabric = fabric
         self.name = agent_name
-        self.epoch = epoch
+        self.epoch = epoch if epoch is not None else _p_new_epoch()
         self.peers: dict[str, _PAgentMetadata] = {}
         self.reads = 0
+        self.metrics = metrics
         fabric.buffers[agent_name] = []
 
     def register(self, buffer: memoryview) -> int:
@@ -352,16 +366,38 @@ class LoopbackEndpoint(_PTransferEndpoint):
         return _PAgentMetadata(_P_TRANSFER_WIRE_VERSION, self.backend, self.name, self.epoch, regions)
 
     def add_peer(self, meta: _PAgentMetadata) -> None:
+        _p_admit(meta, self.backend, self.peers.get(meta.agent_name))
+        if meta.payload:
+            raise _PStaleMetadataError(f"peer {meta.agent_name!r}: loopback metadata carries no payload")
         self.peers[meta.agent_name] = meta
 
     def remove_peer(self, agent_name: str) -> None:
         self.peers.pop(agent_name, None)
 
-    def _move(self, peer: str, ops: _PSequence[_PBlockOp], read: bool) -> _PTransferResult:
-        t0 = _p_time.monotonic()
-        if peer not in self.peers or peer in self.fabric.dead or peer not in self.fabric.buffers:
-            return _PTransferResult([], list(range(len(ops))), 0, _p_time.monotonic() - t0, f"peer {peer!r} is gone")
-        mine, theirs = self.fabric.buffers[self.name], self.fabric.buffers[peer]
+    def _move(self, peer: str, ops: _PSequence[_PBlockOp], deadline_s: float, read: bool) -> _PTransferResult:
+        deadline = _PDeadline(deadline_s)
+        table = _POpTable(ops)
+        mine = self.fabric.buffers.get(self.name, [])
+        table.check_local({i: len(b) for i, b in enumerate(mine)})
+        meta = self.peers.get(peer)
+        if meta is not None:
+            table.check_remote({r.region_id: r.length for r in meta.regions}, peer)
+        result = self._transfer(peer, meta, ops, deadline, read)
+        if self.metrics is not None:
+            self.metrics.observe(self.backend, "read" if read else "write", result)
+        return result
+
+    def _transfer(self, peer: str, meta: _PAgentMetadata | None, ops: _PSequence[_PBlockOp], deadline: _PDeadline,
+                  read: bool) -> _PTransferResult:
+        theirs = self.fabric.buffers.get(peer)
+        if meta is None or peer in self.fabric.dead or theirs is None:
+            return _p_all_failed(len(ops), deadline.elapsed(), f"peer {peer!r} is gone")
+        if peer in self.fabric.frozen:
+            _p_time.sleep(max(0.0, deadline.remaining()))
+            return _p_all_failed(len(ops), deadline.elapsed(), f"peer {peer!r} did not answer before the deadline")
+        if deadline.expired():
+            return _p_all_failed(len(ops), deadline.elapsed(), "deadline expired before the transfer started")
+        mine = self.fabric.buffers[self.name]
         moved = 0
         failed = sorted(i for i in self.fabric.fail_ops if i < len(ops))
         for i, op in enumerate(ops):
@@ -373,14 +409,14 @@ class LoopbackEndpoint(_PTransferEndpoint):
             dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
             moved += op.length
         ok = [i for i in range(len(ops)) if i not in self.fabric.fail_ops]
-        return _PTransferResult(ok, failed, moved, _p_time.monotonic() - t0, "injected" if failed else "")
+        return _PTransferResult(ok, failed, moved, deadline.elapsed(), "injected" if failed else "")
 
     def read(self, peer: str, ops: _PSequence[_PBlockOp], deadline_s: float) -> _PTransferResult:
         self.reads += 1
-        return self._move(peer, ops, read=True)
+        return self._move(peer, ops, deadline_s, read=True)
 
     def write(self, peer: str, ops: _PSequence[_PBlockOp], deadline_s: float) -> _PTransferResult:
-        return self._move(peer, ops, read=False)
+        return self._move(peer, ops, deadline_s, read=False)
 
     def close(self) -> None:
         self.fabric.buffers.pop(self.name, None)

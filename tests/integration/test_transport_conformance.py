@@ -1,16 +1,16 @@
-"""One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP).
+"""One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP, the loopback).
 
 Peers run in separate processes (``bench.transfer_peer``, the harness ``kvstack bench transfer`` measures with), each
 owning one endpoint and one registered region filled with a seeded random pattern; the test process is the client.
 No Ray. A peer is driven through a pipe (``Register``, ``Digest``, ``Stop``); freezing and killing use real signals
-on the peer process.
+on the peer process. The loopback backend (``tests.fakes.LoopbackEndpoint``, the in-process transport the unit tests
+move bytes with) has in-process peers (``LoopbackPeer``) with the same surface: killed = closed, frozen = its ops
+wait out their deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +33,7 @@ from kvpool.transfer import (
     make_endpoint,
 )
 from kvpool.transfer.metrics import TransferMetrics
+from tests.fakes import LoopbackEndpoint, LoopbackFabric
 
 pytestmark = pytest.mark.integration
 
@@ -41,14 +42,63 @@ MIB = 1 << 20
 PEER_REGION = 64 * MIB
 PEER_START_TIMEOUT_S = 60.0
 SLACK_S = 0.75  # allowed overshoot of a deadline (poll backoff, thread wake-up on a loaded 2-core machine)
-BACKENDS = ["nixl", "tcp"]
+BACKENDS = ["nixl", "tcp", "loopback"]
+LOOPBACK = LoopbackFabric()  # the in-process "network" of the loopback endpoints
 
 
-def _options(backend: str, host: str) -> dict[str, Any]:
-    return {"options": transport_options(backend, host)}
+def endpoint(backend: str, name: str, host: str, metrics: TransferMetrics | None = None) -> TransferEndpoint:
+    if backend == "loopback":
+        return LoopbackEndpoint(LOOPBACK, name, metrics=metrics)
+    return make_endpoint(backend, name, options=transport_options(backend, host), metrics=metrics)
 
 
-def start_peer(backend: str, name: str, seed: int, host: str = "127.0.0.2") -> PeerProcess:
+class LoopbackPeer:
+    """The loopback backend's peer: an endpoint of this process over a seeded region, with the same surface as a
+    ``Peer`` (killed = closed, frozen = its ops wait out their deadline)."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.seed = seed
+        self.region = pattern(seed, PEER_REGION)
+        self.extra: list[np.ndarray] = []
+        self.endpoint = LoopbackEndpoint(LOOPBACK, name)
+        self.endpoint.register(memoryview(self.region))
+        self.meta = self.endpoint.metadata()
+        self.name = name
+        self.closed = False
+
+    def expected(self, offset: int, length: int) -> np.ndarray:
+        return pattern(self.seed, PEER_REGION)[offset : offset + length]
+
+    def digest(self, offset: int, length: int) -> str:
+        return hashlib.sha256(self.region[offset : offset + length].tobytes()).hexdigest()
+
+    def register_more(self, seed: int, size: int) -> dict[str, bytes]:
+        self.extra.append(pattern(seed, size))
+        self.endpoint.register(memoryview(self.extra[-1]))
+        return {"loopback": encode_metadata(self.endpoint.metadata())}
+
+    def kill(self) -> None:
+        if not self.closed:  # a later incarnation of the same name owns the fabric entry after this
+            self.closed = True
+            self.endpoint.close()
+
+    def freeze(self) -> None:
+        LOOPBACK.frozen.add(self.name)
+
+    def thaw(self) -> None:
+        LOOPBACK.frozen.discard(self.name)
+
+    def stop(self) -> None:
+        self.thaw()
+        self.kill()
+
+
+Peer = PeerProcess | LoopbackPeer
+
+
+def start_peer(backend: str, name: str, seed: int, host: str = "127.0.0.2") -> Peer:
+    if backend == "loopback":
+        return LoopbackPeer(name, seed)
     return start_transfer_peer([backend], {backend: name}, seed=seed, size=PEER_REGION, host=host,
                                start_timeout_s=PEER_START_TIMEOUT_S)
 
@@ -59,15 +109,15 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def peer(backend: str) -> Iterator[PeerProcess]:
+def peer(backend: str) -> Iterator[Peer]:
     p = start_peer(backend, "shard-a", seed=11)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
-def client(backend: str, peer: PeerProcess) -> Iterator[TransferEndpoint]:
-    ep = make_endpoint(backend, "client", **_options(backend, "127.0.0.3"))
+def client(backend: str, peer: Peer) -> Iterator[TransferEndpoint]:
+    ep = endpoint(backend, "client", "127.0.0.3")
     ep.add_peer(peer.meta)
     yield ep
     ep.close()
@@ -75,15 +125,15 @@ def client(backend: str, peer: PeerProcess) -> Iterator[TransferEndpoint]:
 
 @pytest.fixture
 def fresh_client(backend: str) -> Iterator[TransferEndpoint]:
-    ep = make_endpoint(backend, "client-fresh", **_options(backend, "127.0.0.4"))
+    ep = endpoint(backend, "client-fresh", "127.0.0.4")
     yield ep
     ep.close()
 
 
 @pytest.fixture
-def own_peer(backend: str) -> Iterator[list[PeerProcess]]:
+def own_peer(backend: str) -> Iterator[list[Peer]]:
     """Peers a test starts itself (frozen, killed, restarted); always stopped afterwards."""
-    peers: list[PeerProcess] = []
+    peers: list[Peer] = []
     yield peers
     for p in peers:
         p.stop()
@@ -103,7 +153,7 @@ def local_region(ep: TransferEndpoint, size: int) -> tuple[int, np.ndarray]:
     [(64 * KIB, 1), (64 * KIB, 7), (64 * KIB, 1024), (1 * MIB, 1), (1 * MIB, 64), (1 * MIB, 1024)],
     ids=["64k-x1", "64k-x7", "64k-x1024", "1m-x1", "1m-x64", "1m-x1024"],
 )
-def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: PeerProcess, block: int, count: int) -> None:
+def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: Peer, block: int, count: int) -> None:
     blocks_in_peer = PEER_REGION // block
     rng = np.random.default_rng(count)
     remote_blocks = rng.permutation(max(count, blocks_in_peer))[:count] % blocks_in_peer
@@ -118,7 +168,7 @@ def test_read_round_trip_is_byte_identical(client: TransferEndpoint, peer: PeerP
 
 
 @pytest.mark.timeout(60)
-def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: Peer) -> None:
     lengths = [1, 4095, 65536, 3, 200_000, 17]
     region, buf = local_region(client, sum(lengths) + 100)
     ops, at, rat = [], 0, 12345
@@ -136,7 +186,7 @@ def test_unaligned_mixed_length_ops(client: TransferEndpoint, peer: PeerProcess)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("block", "count"), [(64 * KIB, 1), (64 * KIB, 256), (1 * MIB, 16)])
 def test_write_then_read_back(
-    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str, block: int, count: int
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, block: int, count: int
 ) -> None:
     p = start_peer(backend, "shard-w", seed=5)
     own_peer.append(p)
@@ -159,7 +209,7 @@ def test_write_then_read_back(
 
 
 @pytest.mark.timeout(30)
-def test_empty_batch_is_ok(client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_empty_batch_is_ok(client: TransferEndpoint, peer: Peer) -> None:
     result = client.read(peer.name, [], deadline_s=1.0)
     assert result.all_ok and result.ok == [] and result.bytes_moved == 0
 
@@ -190,7 +240,7 @@ def test_unknown_peer_fails_as_data(client: TransferEndpoint) -> None:
 )
 def test_out_of_range_ops_are_rejected(
     client: TransferEndpoint,
-    peer: PeerProcess,
+    peer: Peer,
     remote_region: int,
     remote_offset: int,
     local_offset: int,
@@ -205,20 +255,20 @@ def test_out_of_range_ops_are_rejected(
 
 
 @pytest.mark.timeout(30)
-def test_unknown_local_region_is_rejected(client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_unknown_local_region_is_rejected(client: TransferEndpoint, peer: Peer) -> None:
     with pytest.raises(ValueError, match="unknown local region 999"):
         client.read(peer.name, [BlockOp(0, 0, 999, 0, 16)], deadline_s=1.0)
 
 
 @pytest.mark.timeout(30)
-def test_expired_deadline_fails_without_moving_bytes(client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_expired_deadline_fails_without_moving_bytes(client: TransferEndpoint, peer: Peer) -> None:
     region, buf = local_region(client, 4096)
     result = client.read(peer.name, [BlockOp(0, 0, region, 0, 4096)], deadline_s=0.0)
     assert result.failed == [0] and not buf.any()
 
 
 @pytest.mark.timeout(30)
-def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: Peer) -> None:
     region, _ = local_region(fresh_client, 4096)
     fresh_client.add_peer(peer.meta)
     assert fresh_client.read(peer.name, [BlockOp(0, 0, region, 0, 4096)], 10.0).all_ok
@@ -231,7 +281,7 @@ def test_removed_peer_fails_as_data(fresh_client: TransferEndpoint, peer: PeerPr
 
 
 @pytest.mark.timeout(30)
-def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: PeerProcess, backend: str) -> None:
+def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: Peer, backend: str) -> None:
     meta = peer.meta
     with pytest.raises(StaleMetadataError, match="version"):
         fresh_client.add_peer(msgspec.structs.replace(meta, version=TRANSFER_WIRE_VERSION + 1))
@@ -251,7 +301,7 @@ def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: PeerPr
 @pytest.mark.timeout(30)
 def test_metadata_of_other_backend_endpoint_is_rejected(fresh_client: TransferEndpoint, backend: str) -> None:
     other = "tcp" if backend == "nixl" else "nixl"
-    foreign = make_endpoint(other, "foreign", **_options(other, "127.0.0.5"))
+    foreign = endpoint(other, "foreign", "127.0.0.5")
     try:
         with pytest.raises(StaleMetadataError, match="backend"):
             fresh_client.add_peer(foreign.metadata())
@@ -260,7 +310,7 @@ def test_metadata_of_other_backend_endpoint_is_rejected(fresh_client: TransferEn
 
 
 @pytest.mark.timeout(30)
-def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: PeerProcess) -> None:
+def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: Peer) -> None:
     region, buf = local_region(fresh_client, 4096)
     fresh_client.add_peer(peer.meta)
     fresh_client.add_peer(peer.meta)
@@ -270,7 +320,7 @@ def test_same_epoch_is_a_noop(fresh_client: TransferEndpoint, peer: PeerProcess)
 
 @pytest.mark.timeout(120)
 def test_restarted_peer_replaces_the_old_one(
-    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
 ) -> None:
     first = start_peer(backend, "shard-r", seed=1)
     own_peer.append(first)
@@ -279,8 +329,7 @@ def test_restarted_peer_replaces_the_old_one(
     fresh_client.add_peer(first.meta)
     assert fresh_client.read("shard-r", ops, 10.0).all_ok
     assert np.array_equal(buf, first.expected(0, 64 * KIB))
-    first.process.kill()
-    first.process.join(10)
+    first.kill()
     assert fresh_client.read("shard-r", ops, 5.0).failed == [0]  # dead incarnation: failed, not stale bytes
 
     second = start_peer(backend, "shard-r", seed=2)  # same name, new epoch, new bytes
@@ -298,7 +347,7 @@ def test_restarted_peer_replaces_the_old_one(
 
 @pytest.mark.timeout(60)
 def test_region_registered_later_is_reachable_after_refresh(
-    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
 ) -> None:
     p = start_peer(backend, "shard-grow", seed=21)
     own_peer.append(p)
@@ -319,18 +368,6 @@ def test_region_registered_later_is_reachable_after_refresh(
 # ---- deadlines: frozen and killed peers -----------------------------------------------------------------------
 
 
-def _freeze(pid: int) -> None:
-    """SIGSTOP and wait until the kernel reports the process stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.005)
-    raise TimeoutError(f"process {pid} did not stop")
-
-
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     t0 = time.monotonic()
     out = fn(*args)
@@ -340,11 +377,11 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("direction", ["read", "write"])
 def test_frozen_peer_before_first_contact_fails_within_deadline(
-    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str, direction: str
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str, direction: str
 ) -> None:
     p = start_peer(backend, "shard-f", seed=3)
     own_peer.append(p)
-    _freeze(p.process.pid)  # type: ignore[arg-type]
+    p.freeze()
     region, _ = local_region(fresh_client, 16 * MIB)
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
@@ -353,14 +390,14 @@ def test_frozen_peer_before_first_contact_fails_within_deadline(
     assert took < deadline + SLACK_S, f"{direction} took {took:.2f}s against a {deadline}s deadline"
     assert result.failed == list(range(16)) and result.ok == []
     assert result.error
-    os.kill(p.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    p.thaw()
     result = fresh_client.read(p.name, ops, 20.0)  # the thawed peer serves again
     assert result.all_ok, result.error
 
 
 @pytest.mark.timeout(90)
 def test_frozen_peer_after_contact_returns_within_deadline(
-    fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str
+    fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str
 ) -> None:
     """After contact, NIXL on one host reads a stopped process's memory with CMA (no peer CPU needed): ok is a
     valid answer then, but only with the right bytes. TCP needs the peer's CPU, so it must fail."""
@@ -371,7 +408,7 @@ def test_frozen_peer_after_contact_returns_within_deadline(
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
     assert fresh_client.read(p.name, ops, 20.0).all_ok
     buf[:] = 0
-    _freeze(p.process.pid)  # type: ignore[arg-type]
+    p.freeze()
     deadline = 1.5
     result, took = _timed(fresh_client.read, p.name, ops, deadline)
     assert took < deadline + SLACK_S
@@ -383,15 +420,14 @@ def test_frozen_peer_after_contact_returns_within_deadline(
 
 
 @pytest.mark.timeout(90)
-def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str) -> None:
+def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str) -> None:
     p = start_peer(backend, "shard-k", seed=6)
     own_peer.append(p)
     region, _ = local_region(fresh_client, 16 * MIB)
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
     assert fresh_client.read(p.name, ops, 20.0).all_ok
-    p.process.kill()
-    p.process.join(10)
+    p.kill()
     for direction in ("read", "write"):
         deadline = 2.0
         result, took = _timed(getattr(fresh_client, direction), p.name, ops, deadline)
@@ -400,7 +436,7 @@ def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_p
 
 
 @pytest.mark.timeout(120)
-def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list[PeerProcess], backend: str) -> None:
+def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list[Peer], backend: str) -> None:
     """Kill during a large batch: the call returns within the deadline; every op is ok or failed; ok ops hold
     exactly the peer's bytes."""
     p = start_peer(backend, "shard-m", seed=8)
@@ -410,7 +446,7 @@ def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, (i % 64) * block, region, i * block, block) for i in range(count)]
     assert fresh_client.read(p.name, ops[:4], 20.0).all_ok
-    killer = threading.Timer(0.05, p.process.kill)
+    killer = threading.Timer(0.05, p.kill)
     killer.start()
     deadline = 10.0
     result, took = _timed(fresh_client.read, p.name, ops, deadline)
@@ -428,9 +464,9 @@ def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list
 
 
 @pytest.mark.timeout(60)
-def test_metrics_count_bytes_and_failures(backend: str, peer: PeerProcess) -> None:
+def test_metrics_count_bytes_and_failures(backend: str, peer: Peer) -> None:
     registry = CollectorRegistry()
-    ep = make_endpoint(backend, "client-metrics", metrics=TransferMetrics(registry), **_options(backend, "127.0.0.6"))
+    ep = endpoint(backend, "client-metrics", "127.0.0.6", metrics=TransferMetrics(registry))
     try:
         ep.add_peer(peer.meta)
         region, _ = local_region(ep, MIB)
