@@ -28,15 +28,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.serve_process import ServerProcess, log_contains, new_ray_like_processes
+from bench.stats import ratio_with_ci, summarize
+from cluster.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_POLICIES = "round_robin,prefix_affinity,cost_based"
@@ -85,7 +87,6 @@ AGENT_FLAGS: dict[str, str] = {
     "request_timeout_s": "--request-timeout-s",
 }
 PLOT_LIMIT_BYTES = 200 * 1024
-BOOTSTRAP_ITERS = 2000
 
 
 class Interrupted(BaseException):
@@ -123,119 +124,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (serve runs as a session leader; Ray's processes inherit its session)."""
-    import psutil
-
-    out = []
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) == sid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return out
-
-
-_RAY_MARKERS = ("raylet", "gcs_server", "ray::", "ray/_private", "vllm", "/tmp/kvs-")
-
-
-def _new_ray_like(before: set[int]) -> list[str]:
-    """Processes started since ``before`` that look like Ray / vLLM (reported, never killed: they may be others')."""
-    import psutil
-
-    out = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if proc.info["pid"] in before:
-            continue
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if any(m in cmd for m in _RAY_MARKERS):
-            out.append(f"{proc.info['pid']} {cmd[:160]}")
-    return out
-
-
-@dataclass
-class ServerRun:
-    """One ``kvstack serve`` subprocess and what happened to it."""
-
-    policy: str
-    port: int
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    ready_s: float | None = None
-    stop_s: float | None = None
-    exit_code: int | None = None
-    killed: bool = False
-    leftover_pids: list[int] = field(default_factory=list)
-    still_alive_pids: list[int] = field(default_factory=list)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self, serve_set: list[str], work: Path, deadline_s: float) -> None:
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", self.policy, "--port", str(self.port),
-               "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}"]
-        for item in serve_set:
-            cmd += ["--set", item]
-        t0 = time.monotonic()
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        while True:
-            text = self.log.read_text(errors="replace")
-            if "is serving" in text:
-                self.ready_s = time.monotonic() - t0
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvstack serve ({self.policy}) exited {self.proc.returncode}:\n{text[-3000:]}")
-            if time.monotonic() - t0 > deadline_s:
-                raise TimeoutError(
-                    f"kvstack serve ({self.policy}) not serving within {deadline_s:.0f} s:\n{text[-3000:]}")
-            time.sleep(1.0)
-
-    def stop(self, deadline_s: float) -> None:
-        """SIGTERM, wait (bounded), SIGKILL the group if needed, then list (and kill) leftovers of its session."""
-        proc = self.proc
-        if proc is None:
-            return
-        t0 = time.monotonic()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=deadline_s)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        self.exit_code = proc.returncode
-        # Ray processes may outlive the driver by a moment: give them a bounded grace period.
-        grace = time.monotonic() + 30.0
-        left = _session_pids(proc.pid)
-        while left and time.monotonic() < grace:
-            time.sleep(1.0)
-            left = _session_pids(proc.pid)
-        self.leftover_pids = left
-        for pid in left:  # ours (same session as the serve we started): do not leave them running
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        gone_by = time.monotonic() + 10.0
-        while left and _session_pids(proc.pid) and time.monotonic() < gone_by:
-            time.sleep(0.5)
-        self.still_alive_pids = _session_pids(proc.pid) if left else []
-        self.stop_s = time.monotonic() - t0
-
-    def summary(self) -> dict[str, Any]:
-        return {"port": self.port, "ready_s": self.ready_s, "stop_s": self.stop_s, "exit_code": self.exit_code,
-                "killed_after_timeout": self.killed, "leftover_pids": self.leftover_pids,
-                "still_alive_after_kill": self.still_alive_pids, "log": str(self.log)}
+def serve_command(policy: str, port: int, serve_set: list[str], work: Path) -> list[str]:
+    """``kvstack serve`` for one policy on ``port``, its state file and SSD dir under ``work``."""
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", policy, "--port", str(port),
+           "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}"]
+    for item in serve_set:
+        cmd += ["--set", item]
+    return cmd
 
 
 def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
@@ -306,17 +201,22 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
 
     pdir = work / policy
     pdir.mkdir(parents=True, exist_ok=True)
-    server = ServerRun(policy, _free_port(), pdir / "serve.log")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}/v1"
+    serve_log = pdir / "serve.log"
+    server = ServerProcess(f"kvstack serve ({policy})", serve_command(policy, port, serve_set, pdir), serve_log,
+                           cwd=REPO)
     entry: dict[str, Any] = {"policy": policy, "load_avg_before": list(os.getloadavg())}
     pids_before = set(psutil.pids())
     t0 = time.monotonic()
     try:
-        print(f"[live-compare] {policy}: starting kvstack serve on :{server.port}", file=sys.stderr, flush=True)
-        server.start(serve_set, pdir, args.ready_timeout_s)
+        print(f"[live-compare] {policy}: starting kvstack serve on :{port}", file=sys.stderr, flush=True)
+        server.start()
+        server.wait_ready(log_contains(serve_log, "is serving"), args.ready_timeout_s)
         print(f"[live-compare] {policy}: serving after {server.ready_s:.0f} s; warming up", file=sys.stderr, flush=True)
-        entry["warmup"] = warm_up(server.endpoint, model, args.warmup_requests)
+        entry["warmup"] = warm_up(endpoint, model, args.warmup_requests)
         time.sleep(2.0)  # let the routers see the emptied caches
-        argv = agent_argv(args, server.endpoint, policy, pdir / "agent")
+        argv = agent_argv(args, endpoint, policy, pdir / "agent")
         entry["agent_command"] = argv
         t_bench = time.monotonic()
         with open(pdir / "agent.log", "wb") as log:
@@ -329,17 +229,17 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
             raise RuntimeError(f"bench agent wrote no result (exit {proc.returncode}); see {pdir / 'agent.log'}")
         entry["result"] = json.loads(result_file.read_text())
         n_decisions = int(sum((entry["result"].get("router") or {}).get("decisions_by_action", {}).values()))
-        entry["decisions"] = fetch_decisions(server.endpoint, n_decisions, pdir / "decisions.json")
+        entry["decisions"] = fetch_decisions(endpoint, n_decisions, pdir / "decisions.json")
         print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
               f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one policy's failure is recorded; the next policy still runs
         entry["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
         print(f"[live-compare] {policy}: FAILED {entry['error'][:500]}", file=sys.stderr, flush=True)
     finally:
-        server.stop(args.stop_timeout_s)
-        entry["server"] = server.summary()
-        entry["new_ray_like_processes_after_stop"] = _new_ray_like(pids_before)
-        if server.proc is None or server.proc.poll() is not None:
+        server.stop(args.stop_timeout_s, reap_session=True)
+        entry["server"] = {"port": port, **server.summary()}
+        entry["new_ray_like_processes_after_stop"] = new_ray_like_processes(pids_before)
+        if not server.running():
             # the pool shards' SSD tier files (preallocated, ~1 GiB per shard) outlive the server: not worth keeping
             shutil.rmtree(pdir / "ssd", ignore_errors=True)
         entry["load_avg_after"] = list(os.getloadavg())
@@ -371,23 +271,6 @@ def _ratios(samples: dict[str, list[float]], subject: str) -> dict[str, dict[str
                 "mean": (float(np.mean(mine)) / float(np.mean(xs))) if xs and mine else None,
             }
     return out
-
-
-def ratio_with_ci(a: list[float], b: list[float], q: float, *, iters: int = BOOTSTRAP_ITERS,
-                  seed: int = 0) -> dict[str, float | None]:
-    """``percentile(a, q) / percentile(b, q)`` and a bootstrap 95% interval (each sample resampled on its own)."""
-    if not a or not b:
-        return {"ratio": None, "ci_low": None, "ci_high": None}
-    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    pb = float(np.percentile(xb, q))
-    if pb <= 0:
-        return {"ratio": None, "ci_low": None, "ci_high": None}
-    rng = np.random.default_rng(seed)
-    ra = np.percentile(xa[rng.integers(0, xa.size, (iters, xa.size))], q, axis=1)
-    rb = np.percentile(xb[rng.integers(0, xb.size, (iters, xb.size))], q, axis=1)
-    boot = ra / np.maximum(rb, 1e-12)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return {"ratio": float(np.percentile(xa, q)) / pb, "ci_low": float(lo), "ci_high": float(hi)}
 
 
 def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
@@ -427,8 +310,6 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
-    from bench.stats import summarize
-
     rows = [policy_row(e) for e in entries]
     done = [e for e in entries if e.get("result")]
     samples = {e["policy"]: ttfts(e["result"]) for e in done}
@@ -596,8 +477,7 @@ def size_workload(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- entry point
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import DEFAULT_CONFIG, parse_overrides
-    from cluster.serve_config import load_serve_config
+    from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
 
     if args.from_work_dir is not None:
         return report_from_work_dir(args.from_work_dir.resolve(), args.out)

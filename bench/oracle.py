@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -53,8 +52,10 @@ from typing import Any
 import httpx
 
 from bench.live import replica_placement, server_root
+from bench.serve_process import ServerProcess, http_ok
 
 REFERENCE_READY_DEADLINE_S = 300.0
+REFERENCE_STOP_DEADLINE_S = 30.0
 UNEXPLAINED = ("mismatch", "prompt_differs", "reference_missed", "not_in_earlier_run")
 _WORDS = ("cache", "block", "token", "shard", "router", "replica", "prefix", "tensor", "layer", "node", "fetch",
           "agent", "tool", "vector", "kernel", "batch", "queue", "lease", "commit", "stream", "model", "weight")
@@ -114,7 +115,8 @@ def reference_command(engine_kwargs: dict[str, Any], port: int) -> list[str]:
 
 
 class ReferenceServer:
-    """Plain vLLM's OpenAI server in a subprocess, bound to ``cores`` (one engine thread per core)."""
+    """Plain vLLM's OpenAI server in a subprocess (``bench.serve_process``), bound to ``cores`` (one engine thread
+    per core)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], cores: list[int], log_path: Path, port: int) -> None:
         self.cores, self.port, self.log_path = cores, port, log_path
@@ -125,39 +127,21 @@ class ReferenceServer:
                                           gpu=False)  # bound exactly as a replica's engine is
         env = {**os.environ, **self.binding, "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self._log = open(log_path, "w")
         # Lowest priority: the reference shares cores with the kvstack replicas under test (Ray runs those at
         # nice 15), and vLLM's worker spins for a second after each request; timing never changes its outputs.
-        self.proc = subprocess.Popen(reference_command(engine_kwargs, port), env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(19))
+        self.process = ServerProcess("vllm serve", reference_command(engine_kwargs, port), log_path, env=env, nice=19)
+        self.process.start()
         self.base = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, deadline_s: float = REFERENCE_READY_DEADLINE_S) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm serve not ready within {deadline_s:.0f} s (log: {self.log_path})")
+        self.process.wait_ready(http_ok(self.base + "/health"), deadline_s)
 
     def placement(self) -> dict[str, Any]:
         return {"cores": self.cores, "threads": len(self.cores),
                 "binding": " ".join(f"{k}={v}" for k, v in sorted(self.binding.items()))}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        self.process.stop(REFERENCE_STOP_DEADLINE_S)
 
 
 class Reference:
@@ -345,9 +329,8 @@ def _replica_threads(endpoint: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import DEFAULT_CONFIG, parse_overrides
     from cluster.local_cluster import free_port
-    from cluster.serve_config import load_serve_config
+    from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
 
     cfg = load_serve_config(args.config or DEFAULT_CONFIG, parse_overrides(args.set))
     engine = cfg.app.engine

@@ -1,6 +1,9 @@
 """The ``kvstack serve`` config file: where the cluster comes from, the HTTP endpoint, the model, and the app.
 
-Parsed once by ``cluster.commands.serve`` (unknown keys rejected, errors name the file and key). The ``app``
+Parsed once by ``cluster.commands.serve`` (unknown keys rejected, errors name the file and key); ``bench.oracle``
+and ``bench.live_compare`` read the same file (the engine arguments, the model) to drive a server as a client
+would. ``DEFAULT_CONFIG`` is the embedded default's path; ``parse_overrides`` turns ``--set KEY=VALUE`` items into
+``load_serve_config``'s overrides. The ``app``
 section is exactly the Serve application's args (``deployments.app_config.AppConfig``), so the same section works
 in a KubeRay ``serveConfigV2``. ``configs/local.yaml`` is the embedded default; ``configs/gpu-8xh100.yaml`` is a
 documented GPU example.
@@ -16,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from configs.loader import ConfigError, parse_model
 from deployments.app_config import AppConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
 
 class _Strict(BaseModel):
@@ -73,3 +78,14 @@ def load_serve_config(path: Path, overrides: dict[str, Any] | None = None) -> Se
         engine = cfg.app.engine.model_copy(update={"model_path": str(model_path.resolve())})
         cfg = cfg.model_copy(update={"app": cfg.app.model_copy(update={"engine": engine})})
     return cfg
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items → {dotted key: YAML-parsed value} (``load_serve_config``'s overrides)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out

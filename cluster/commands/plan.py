@@ -134,7 +134,7 @@ def breakeven_result(
     model: ModelSpec, gpu: GpuProfile, tier: TierSpec, *, mfu: float, bw_util: float, gpus: int
 ) -> dict[str, Any]:
     """The ``plan breakeven --json`` object."""
-    from bench.plan_report import crossover_tokens
+    from cluster.commands.plan_report import crossover_tokens
 
     s = cost.breakeven_tokens(model, gpu, tier, mfu=mfu, bw_util=bw_util, gpus=gpus)
     flops = cost.effective_flops(gpu, mfu, gpus)
@@ -261,7 +261,7 @@ def _names(csv: str | None, default: tuple[str, ...], table: dict[str, Any]) -> 
 
 
 def _report(args: argparse.Namespace) -> int:
-    from bench.plan_report import ReportInputs, write_report
+    from cluster.commands.plan_report import ReportInputs, write_report
 
     try:
         _check_perf(args)

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
 
 DEPLOY_DEADLINE_S = 900.0
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -59,17 +58,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy is not None:
         out["app.router.policy"] = args.policy
     out.update(parse_overrides(args.set))
-    return out
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``--set KEY=VALUE`` items → {dotted key: YAML-parsed value} (``load_serve_config``'s overrides)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        out[key] = yaml.safe_load(value)
     return out
 
 

@@ -8,5 +8,5 @@ Import order (each module imports only the ones above it)::
     registry   naming and discovery of the named shard actors: shard_actor_name, list_shards, find_shard
     pull       the one transfer a shard initiates: Puller, its source over a ShardClient
     actor      PoolShard / PoolShardActor, the Ray actor wrapping a kvpool.store.BlockStore
-    placement  build_pool (the one way to build a pool for a cluster), start_shards, stop_shards, alive_nodes
+    placement  build_pool (the one way to build a pool for a cluster), stop_shards, alive_nodes
 """

@@ -5,7 +5,7 @@ Who calls what:
   replica for its own node), the integration and e2e tests and the benches. It takes a function node →
   ``ShardConfig``, which nodes, whether the shards are named (``kvpool.shard.registry``, so other processes find
   them and a ``pull`` finds its source), detached or not, and a ready deadline.
-- ``start_shards`` is its mechanism (a node filter, actor names and options as given), ``stop_shards`` closes and
+- ``_start_shards`` is its mechanism (a node filter, actor names and options as given), ``stop_shards`` closes and
   kills what either started, ``alive_nodes`` lists the nodes a pool may go on.
 """
 
@@ -61,7 +61,7 @@ def build_pool(
     ``registry_namespace`` is set to ``namespace``); unnamed shards are reachable only through the returned handles.
     ``detached``: the shards outlive the caller (named ones only) and an already running shard of that name is
     reused (a second caller gets the same pool). On failure kills what it started and raises
-    ``ShardUnavailableError`` (see ``start_shards``).
+    ``ShardUnavailableError`` (see ``_start_shards``).
     """
     if detached and not named:
         raise ValueError("build_pool: a detached pool must be named (nothing could find or stop it otherwise)")
@@ -71,7 +71,7 @@ def build_pool(
         cfg = shard_config(PoolNode(node_id, node_ip))
         return msgspec.structs.replace(cfg, registry_namespace=namespace) if named else cfg
 
-    return start_shards(
+    return _start_shards(
         config,
         include=None if wanted is None else (lambda n: n["NodeID"] in wanted),
         ready_deadline_s=ready_deadline_s,
@@ -81,7 +81,7 @@ def build_pool(
     )
 
 
-def start_shards(
+def _start_shards(
     config_for_node: Callable[[str, str], ShardConfig],
     *,
     include: Callable[[dict[str, Any]], bool] | None = None,

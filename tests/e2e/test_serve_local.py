@@ -73,8 +73,7 @@ def client(server):
 
 def engine_settings() -> Any:
     """The replicas' engine settings, as ``kvstack serve`` derives them from its default config."""
-    from cluster.commands.serve import DEFAULT_CONFIG
-    from cluster.serve_config import load_serve_config
+    from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 
     return load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
                              ).app.engine

@@ -1,21 +1,19 @@
-"""One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP).
+"""One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP, the loopback).
 
-Peers run in separate processes (multiprocessing "spawn"), each owning one endpoint and one registered region
-filled with a seeded random pattern; the test process is the client. No Ray. A peer is driven through a pipe
-(``digest``, ``stop``); freezing and killing use real signals on the peer process.
+Peers run in separate processes (``bench.transfer_peer``, the harness ``kvstack bench transfer`` measures with), each
+owning one endpoint and one registered region filled with a seeded random pattern; the test process is the client.
+No Ray. A peer is driven through a pipe (``Register``, ``Digest``, ``Stop``); freezing and killing use real signals
+on the peer process. The loopback backend (``tests.fakes.transfer.LoopbackEndpoint``, the in-process transport the unit tests
+move bytes with) has in-process peers (``LoopbackPeer``) with the same surface: killed = closed, frozen = its ops
+wait out their deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -23,6 +21,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.transfer_peer import PeerProcess, pattern, transport_options
+from bench.transfer_peer import start_peer as start_transfer_peer
 from kvpool.transfer import (
     TRANSFER_WIRE_VERSION,
     BlockOp,
@@ -33,6 +33,7 @@ from kvpool.transfer import (
     make_endpoint,
 )
 from kvpool.transfer.metrics import TransferMetrics
+from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric
 
 pytestmark = pytest.mark.integration
 
@@ -41,102 +42,65 @@ MIB = 1 << 20
 PEER_REGION = 64 * MIB
 PEER_START_TIMEOUT_S = 60.0
 SLACK_S = 0.75  # allowed overshoot of a deadline (poll backoff, thread wake-up on a loaded 2-core machine)
-BACKENDS = ["nixl", "tcp"]
+BACKENDS = ["nixl", "tcp", "loopback"]
+LOOPBACK = LoopbackFabric()  # the in-process "network" of the loopback endpoints
 
 
-def _options(backend: str, host: str) -> dict[str, Any]:
-    if backend == "nixl":
-        from kvpool.transfer.nixl import NixlOptions
-
-        return {"options": NixlOptions(ucx_devices="lo")}
-    from kvpool.transfer.tcp import TcpOptions
-
-    return {"options": TcpOptions(bind_host=host)}
+def endpoint(backend: str, name: str, host: str, metrics: TransferMetrics | None = None) -> TransferEndpoint:
+    if backend == "loopback":
+        return LoopbackEndpoint(LOOPBACK, name, metrics=metrics)
+    return make_endpoint(backend, name, options=transport_options(backend, host), metrics=metrics)
 
 
-def pattern(seed: int, size: int) -> np.ndarray:
-    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
+class LoopbackPeer:
+    """The loopback backend's peer: an endpoint of this process over a seeded region, with the same surface as a
+    ``Peer`` (killed = closed, frozen = its ops wait out their deadline)."""
 
-
-def _peer_main(backend: str, name: str, host: str, seed: int, size: int, conn: Connection) -> None:
-    """Body of a peer process: one endpoint, one region, then serve pipe commands until ``stop``."""
-    endpoint = make_endpoint(backend, name, **_options(backend, host))
-    region = pattern(seed, size)
-    endpoint.register(memoryview(region))
-    conn.send(("ready", encode_metadata(endpoint.metadata())))
-    try:
-        while True:
-            if not conn.poll(600):
-                return
-            cmd = conn.recv()
-            if cmd[0] == "register":  # a second region, registered after the metadata went out
-                extra = pattern(cmd[1], cmd[2])
-                endpoint.register(memoryview(extra))
-                conn.send(encode_metadata(endpoint.metadata()))
-            elif cmd[0] == "digest":
-                _, offset, length = cmd
-                conn.send(hashlib.sha256(region[offset : offset + length].tobytes()).hexdigest())
-            elif cmd[0] == "stop":
-                return
-    finally:
-        endpoint.close()
-
-
-@dataclass
-class Peer:
-    process: mp.process.BaseProcess
-    conn: Connection
-    meta_raw: bytes
-    seed: int
-
-    @property
-    def meta(self) -> Any:
-        return decode_metadata(self.meta_raw)
-
-    @property
-    def name(self) -> str:
-        return self.meta.agent_name
+    def __init__(self, name: str, seed: int) -> None:
+        self.seed = seed
+        self.region = pattern(seed, PEER_REGION)
+        self.extra: list[np.ndarray] = []
+        self.endpoint = LoopbackEndpoint(LOOPBACK, name)
+        self.endpoint.register(memoryview(self.region))
+        self.meta = self.endpoint.metadata()
+        self.name = name
+        self.closed = False
 
     def expected(self, offset: int, length: int) -> np.ndarray:
         return pattern(self.seed, PEER_REGION)[offset : offset + length]
 
     def digest(self, offset: int, length: int) -> str:
-        self.conn.send(("digest", offset, length))
-        if not self.conn.poll(30):
-            raise TimeoutError("peer did not answer digest")
-        return str(self.conn.recv())
+        return hashlib.sha256(self.region[offset : offset + length].tobytes()).hexdigest()
 
-    def register_more(self, seed: int, size: int) -> bytes:
-        self.conn.send(("register", seed, size))
-        if not self.conn.poll(30):
-            raise TimeoutError("peer did not answer register")
-        return bytes(self.conn.recv())
+    def register_more(self, seed: int, size: int) -> dict[str, bytes]:
+        self.extra.append(pattern(seed, size))
+        self.endpoint.register(memoryview(self.extra[-1]))
+        return {"loopback": encode_metadata(self.endpoint.metadata())}
+
+    def kill(self) -> None:
+        if not self.closed:  # a later incarnation of the same name owns the fabric entry after this
+            self.closed = True
+            self.endpoint.close()
+
+    def freeze(self) -> None:
+        LOOPBACK.frozen.add(self.name)
+
+    def thaw(self) -> None:
+        LOOPBACK.frozen.discard(self.name)
 
     def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                os.kill(self.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                self.conn.send(("stop",))
-            except (OSError, BrokenPipeError):
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
+        self.thaw()
+        self.kill()
+
+
+Peer = PeerProcess | LoopbackPeer
 
 
 def start_peer(backend: str, name: str, seed: int, host: str = "127.0.0.2") -> Peer:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_peer_main, args=(backend, name, host, seed, PEER_REGION, child), daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(PEER_START_TIMEOUT_S):
-        proc.kill()
-        raise TimeoutError(f"peer {name} did not start within {PEER_START_TIMEOUT_S}s")
-    tag, raw = parent.recv()
-    assert tag == "ready"
-    return Peer(process=proc, conn=parent, meta_raw=raw, seed=seed)
+    if backend == "loopback":
+        return LoopbackPeer(name, seed)
+    return start_transfer_peer([backend], {backend: name}, seed=seed, size=PEER_REGION, host=host,
+                               start_timeout_s=PEER_START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -153,7 +117,7 @@ def peer(backend: str) -> Iterator[Peer]:
 
 @pytest.fixture(scope="module")
 def client(backend: str, peer: Peer) -> Iterator[TransferEndpoint]:
-    ep = make_endpoint(backend, "client", **_options(backend, "127.0.0.3"))
+    ep = endpoint(backend, "client", "127.0.0.3")
     ep.add_peer(peer.meta)
     yield ep
     ep.close()
@@ -161,7 +125,7 @@ def client(backend: str, peer: Peer) -> Iterator[TransferEndpoint]:
 
 @pytest.fixture
 def fresh_client(backend: str) -> Iterator[TransferEndpoint]:
-    ep = make_endpoint(backend, "client-fresh", **_options(backend, "127.0.0.4"))
+    ep = endpoint(backend, "client-fresh", "127.0.0.4")
     yield ep
     ep.close()
 
@@ -337,7 +301,7 @@ def test_stale_metadata_is_rejected(fresh_client: TransferEndpoint, peer: Peer, 
 @pytest.mark.timeout(30)
 def test_metadata_of_other_backend_endpoint_is_rejected(fresh_client: TransferEndpoint, backend: str) -> None:
     other = "tcp" if backend == "nixl" else "nixl"
-    foreign = make_endpoint(other, "foreign", **_options(other, "127.0.0.5"))
+    foreign = endpoint(other, "foreign", "127.0.0.5")
     try:
         with pytest.raises(StaleMetadataError, match="backend"):
             fresh_client.add_peer(foreign.metadata())
@@ -365,8 +329,7 @@ def test_restarted_peer_replaces_the_old_one(
     fresh_client.add_peer(first.meta)
     assert fresh_client.read("shard-r", ops, 10.0).all_ok
     assert np.array_equal(buf, first.expected(0, 64 * KIB))
-    first.process.kill()
-    first.process.join(10)
+    first.kill()
     assert fresh_client.read("shard-r", ops, 5.0).failed == [0]  # dead incarnation: failed, not stale bytes
 
     second = start_peer(backend, "shard-r", seed=2)  # same name, new epoch, new bytes
@@ -392,7 +355,7 @@ def test_region_registered_later_is_reachable_after_refresh(
     region, buf = local_region(fresh_client, 2 * MIB)
     with pytest.raises(ValueError, match="unknown remote region 1"):
         fresh_client.read(p.name, [BlockOp(1, 0, region, 0, MIB)], 5.0)
-    newer = decode_metadata(p.register_more(seed=22, size=4 * MIB))
+    newer = decode_metadata(p.register_more(seed=22, size=4 * MIB)[backend])
     assert newer.epoch == p.meta.epoch and len(newer.regions) == 2
     fresh_client.add_peer(newer)  # same incarnation, more memory: refreshed, not rejected
     ops = [BlockOp(1, 3 * MIB, region, 0, MIB), BlockOp(0, 0, region, MIB, MIB)]
@@ -403,18 +366,6 @@ def test_region_registered_later_is_reachable_after_refresh(
 
 
 # ---- deadlines: frozen and killed peers -----------------------------------------------------------------------
-
-
-def _freeze(pid: int) -> None:
-    """SIGSTOP and wait until the kernel reports the process stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.005)
-    raise TimeoutError(f"process {pid} did not stop")
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
@@ -430,7 +381,7 @@ def test_frozen_peer_before_first_contact_fails_within_deadline(
 ) -> None:
     p = start_peer(backend, "shard-f", seed=3)
     own_peer.append(p)
-    _freeze(p.process.pid)  # type: ignore[arg-type]
+    p.freeze()
     region, _ = local_region(fresh_client, 16 * MIB)
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
@@ -439,7 +390,7 @@ def test_frozen_peer_before_first_contact_fails_within_deadline(
     assert took < deadline + SLACK_S, f"{direction} took {took:.2f}s against a {deadline}s deadline"
     assert result.failed == list(range(16)) and result.ok == []
     assert result.error
-    os.kill(p.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    p.thaw()
     result = fresh_client.read(p.name, ops, 20.0)  # the thawed peer serves again
     assert result.all_ok, result.error
 
@@ -457,7 +408,7 @@ def test_frozen_peer_after_contact_returns_within_deadline(
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
     assert fresh_client.read(p.name, ops, 20.0).all_ok
     buf[:] = 0
-    _freeze(p.process.pid)  # type: ignore[arg-type]
+    p.freeze()
     deadline = 1.5
     result, took = _timed(fresh_client.read, p.name, ops, deadline)
     assert took < deadline + SLACK_S
@@ -476,8 +427,7 @@ def test_killed_peer_fails_within_deadline(fresh_client: TransferEndpoint, own_p
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, i * MIB, region, i * MIB, MIB) for i in range(16)]
     assert fresh_client.read(p.name, ops, 20.0).all_ok
-    p.process.kill()
-    p.process.join(10)
+    p.kill()
     for direction in ("read", "write"):
         deadline = 2.0
         result, took = _timed(getattr(fresh_client, direction), p.name, ops, deadline)
@@ -496,7 +446,7 @@ def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list
     fresh_client.add_peer(p.meta)
     ops = [BlockOp(0, (i % 64) * block, region, i * block, block) for i in range(count)]
     assert fresh_client.read(p.name, ops[:4], 20.0).all_ok
-    killer = threading.Timer(0.05, p.process.kill)
+    killer = threading.Timer(0.05, p.kill)
     killer.start()
     deadline = 10.0
     result, took = _timed(fresh_client.read, p.name, ops, deadline)
@@ -516,7 +466,7 @@ def test_peer_killed_mid_transfer(fresh_client: TransferEndpoint, own_peer: list
 @pytest.mark.timeout(60)
 def test_metrics_count_bytes_and_failures(backend: str, peer: Peer) -> None:
     registry = CollectorRegistry()
-    ep = make_endpoint(backend, "client-metrics", metrics=TransferMetrics(registry), **_options(backend, "127.0.0.6"))
+    ep = endpoint(backend, "client-metrics", "127.0.0.6", metrics=TransferMetrics(registry))
     try:
         ep.add_peer(peer.meta)
         region, _ = local_region(ep, MIB)

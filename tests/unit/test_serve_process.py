@@ -1,0 +1,60 @@
+"""bench.serve_process: a real subprocess started, waited for (log readiness, early exit, deadline) and stopped
+(SIGTERM honoured; SIGTERM ignored -> SIGKILL of its group; its session reaped)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.serve_process import ServerProcess, log_contains, session_pids
+
+READY_THEN_SLEEP = "import time; print('is serving', flush=True); time.sleep(60)"
+IGNORE_TERM = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               "print('is serving', flush=True); time.sleep(60)")
+
+
+def _server(tmp_path: Path, code: str) -> ServerProcess:
+    return ServerProcess("toy", [sys.executable, "-c", code], tmp_path / "toy.log")
+
+
+def test_ready_then_sigterm(tmp_path: Path) -> None:
+    s = _server(tmp_path, READY_THEN_SLEEP)
+    s.start()
+    assert s.wait_ready(log_contains(s.log, "is serving"), 30.0) >= 0.0
+    assert s.running()
+    s.stop(10.0, reap_session=True)
+    assert not s.running()
+    assert (s.exit_code, s.killed, s.leftover_pids) == (-15, False, [])
+    assert s.summary()["log"] == str(s.log)
+
+
+def test_sigterm_ignored_kills_the_group_and_reaps_the_session(tmp_path: Path) -> None:
+    s = _server(tmp_path, IGNORE_TERM)
+    s.start()
+    s.wait_ready(log_contains(s.log, "is serving"), 30.0)
+    assert s.proc is not None
+    sid = s.proc.pid
+    s.stop(0.5, reap_session=True)
+    assert s.killed and s.exit_code == -9
+    assert session_pids(sid) == [] and s.still_alive_pids == []
+
+
+def test_exit_before_ready_raises_with_the_log(tmp_path: Path) -> None:
+    s = _server(tmp_path, "print('boom'); raise SystemExit(3)")
+    s.start()
+    with pytest.raises(RuntimeError, match=r"toy exited 3:\nboom"):
+        s.wait_ready(lambda: False, 30.0)
+
+
+def test_not_ready_within_deadline(tmp_path: Path) -> None:
+    s = _server(tmp_path, READY_THEN_SLEEP)
+    s.start()
+    try:
+        with pytest.raises(TimeoutError, match="toy not ready within 1 s"):
+            s.wait_ready(log_contains(s.log, "never printed"), 1.0)
+    finally:
+        s.stop(10.0)
+    assert s.exit_code == -15
