@@ -25,7 +25,6 @@ ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout is for the benches' one JSON document
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 from bench import plots
 from bench.loadgen import RequestRecord, summarize_records
 from bench.prom import RouterCounters, router_delta, scrape
+from cluster.cli_output import print_document
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -149,5 +149,4 @@ def write_outputs(result: dict[str, Any], records: list[RequestRecord], out: Pat
         result["plots"] = written
         (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if print_json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        print_document(json.dumps(result, indent=2, sort_keys=True))

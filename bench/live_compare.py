@@ -127,7 +127,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def serve_command(policy: str, port: int, serve_set: list[str], work: Path) -> list[str]:
     """``kvstack serve`` for one policy on ``port``, its state file and SSD dir under ``work``."""
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", policy, "--port", str(port),
-           "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}"]
+           "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}",
+           "--log-dir", str(work / "logs")]
     for item in serve_set:
         cmd += ["--set", item]
     return cmd

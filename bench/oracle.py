@@ -53,6 +53,7 @@ import httpx
 
 from bench.live import replica_placement, server_root
 from bench.serve_process import ServerProcess, http_ok
+from cluster.cli_output import print_document
 
 REFERENCE_READY_DEADLINE_S = 300.0
 REFERENCE_STOP_DEADLINE_S = 30.0
@@ -364,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2))
     summary = {k: v for k, v in result.items() if k != "requests"}
     if args.json:
-        print(json.dumps(summary))
+        print_document(json.dumps(summary))
     else:
         print(f"compared {result['compared']} requests ({result['reused_requests']} reused a prefix): "
               f"{result['verdicts']}; by action {result['by_action']}; unexplained {result['unexplained']}")

@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cluster.cli_output import print_document
+
 REPO = Path(__file__).resolve().parents[1]
 CASES = ("recompute", "hbm", "fetch_dram", "fetch_ssd")
 TIER_OF = {"fetch_dram": "cpu-dram", "fetch_ssd": "local-ssd"}
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.json:
-        print(text)
+        print_document(text)
     else:
         print(table(result))
     return 0

@@ -40,6 +40,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.cli_output import print_document
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON to stdout")
@@ -286,6 +288,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if args.json:
-        print(text)
+        print_document(text)
     print(f"router bench: {len(rows)} rows in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return 0

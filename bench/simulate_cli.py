@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.traces import TraceRecord, load_trace, prefix_reuse_bound, scale_trace
+from cluster.cli_output import print_document
 
 _SUFFIX = {"k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "g": 1e9, "G": 1e9}
 
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     if args.json:
-        print(text)
+        print_document(text)
     else:
         hr = result["hit_rate_by_tier"]
         print(

@@ -54,6 +54,7 @@ from bench.transfer_probes import (
     series,
     size_label,
 )
+from cluster.cli_output import print_document
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -296,5 +297,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print(text if args.json else _table(result))
+    if args.json:
+        print_document(text)
+    else:
+        print(_table(result))
     return 0

@@ -6,6 +6,10 @@ Each command lives in its own module exposing ``configure(parser: argparse.Argum
 (or ``BENCH_COMMANDS`` for ``kvstack bench <name>``). A row whose module does not exist yet is skipped.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad usage / unknown names (argparse convention).
+
+Output: a command run with ``--json`` prints exactly one JSON document on stdout (``cluster.cli_output``): while
+it runs, everything else the process and its children write to stdout (vLLM's and Ray's logs, prints) goes to
+stderr, and the command writes its document with ``cli_output.print_document``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
+    if getattr(args, "json", False):
+        from cluster.cli_output import redirect_output
+
+        with redirect_output(stdout_to=2):
+            return int(run(args) or 0)
     return int(run(args) or 0)
 
 

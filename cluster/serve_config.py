@@ -15,19 +15,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from configs.loader import ConfigError, parse_model
+from configs.schema import Strict
 from deployments.app_config import AppConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LocalClusterSettings(_Strict):
+class LocalClusterSettings(Strict):
     """Start a local multi-node cluster (``mode: local``) or join a running one (``mode: existing``)."""
 
     mode: Literal["local", "existing"] = "local"
@@ -36,19 +33,19 @@ class LocalClusterSettings(_Strict):
     cpus_per_worker: int = Field(default=2, ge=1)
 
 
-class HttpSettings(_Strict):
+class HttpSettings(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
 
 
-class TinyModelSettings(_Strict):
+class TinyModelSettings(Strict):
     """Generate this tiny model into ``app.engine.model_path`` on first run (no hub access)."""
 
     arch: Literal["qwen3", "qwen3-next"] = "qwen3"
     preset: Literal["tiny", "heavy"] = "tiny"
 
 
-class ServeFileConfig(_Strict):
+class ServeFileConfig(Strict):
     cluster: LocalClusterSettings = Field(default_factory=LocalClusterSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     tiny_model: TinyModelSettings | None = None

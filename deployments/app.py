@@ -27,15 +27,21 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 
 def ingress_settings(cfg: AppConfig) -> IngressSettings:
+    """The router's runtime settings from the app config: the one place they are built (every field the config
+    holds is required by ``IngressSettings``, so none is dropped on the way)."""
     return IngressSettings(
         served_model_name=cfg.engine.served_model_name,
         model_path=cfg.engine.model_path,
         max_model_len=cfg.engine.max_model_len,
         block_size=cfg.engine.block_size,
+        cache_salt=cfg.engine.cache_salt,
         policy=cfg.router.policy,
         model_spec=cfg.router.model_spec,
         gpu_profile=cfg.router.gpu_profile,
         tiers=dict(cfg.router.tiers),
+        mfu=cfg.router.mfu,
+        bw_util=cfg.router.bw_util,
+        seed=cfg.router.seed,
     )
 
 

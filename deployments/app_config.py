@@ -21,22 +21,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from configs.loader import pick
-from configs.schema import GpuProfile, ModelSpec, TierSpec
-from deployments.cpu_placement import CpuBinding
+from configs.schema import GpuProfile, ModelSpec, Strict, TierSpec
 from deployments.engine_settings import EngineSettings
+from router.hub import CpuBinding
+from router.ingress_settings import PolicyName, TierRole
 
 APP_CONFIG_VERSION = 1
 
-PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity", "cost_based"]
-# Where a prefix can come from, as the router prices it: the replica's own HBM, the DRAM / SSD of the pool shard on
-# the replica's node, or the DRAM / SSD of a shard on another node (over the network).
-TierRole = Literal["hbm", "local_dram", "remote_dram", "local_ssd", "remote_ssd"]
 TransferBackend = Literal["nixl", "tcp"]
 
-DEFAULT_TIER_MAP: dict[str, str] = {
+DEFAULT_TIER_MAP: dict[TierRole, str] = {
     "hbm": "hbm",
     "local_dram": "cpu-dram",
     "remote_dram": "rdma-pool",
@@ -45,11 +42,7 @@ DEFAULT_TIER_MAP: dict[str, str] = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AutoscalingSettings(_Strict):
+class AutoscalingSettings(Strict):
     """Serve autoscaling of the replica deployment on ongoing requests per replica."""
 
     min_replicas: int = Field(default=1, ge=0)
@@ -70,7 +63,7 @@ class AutoscalingSettings(_Strict):
         return self
 
 
-class ReplicaSettings(_Strict):
+class ReplicaSettings(Strict):
     """The vLLM replica deployment: a fixed count or autoscaling, and the resources of one replica."""
 
     num_replicas: int | None = Field(default=None, ge=1)
@@ -97,8 +90,10 @@ class ReplicaSettings(_Strict):
         return self.threads if self.threads is not None else max(1, int(self.num_cpus))
 
 
-class RouterSettings(_Strict):
-    """The routing policy and the specs it prices with (names from ``configs/specs/*.yaml``)."""
+class RouterSettings(Strict):
+    """The routing policy, the specs it prices with (names from ``configs/specs/*.yaml``), the cost model's initial
+    efficiencies and the policy's seed. ``deployments.app.ingress_settings`` turns these into the router's runtime
+    ``router.ingress_settings.IngressSettings``."""
 
     policy: PolicyName = "cost_based"
     model_spec: str = Field(description="model name in configs/specs/models.yaml (the cost model's view)")
@@ -106,6 +101,10 @@ class RouterSettings(_Strict):
     tiers: dict[TierRole, str] = Field(
         default_factory=lambda: dict(DEFAULT_TIER_MAP), description="tier role -> tier name in tiers.yaml"
     )
+    mfu: float = Field(default=0.4, gt=0, le=1, description="initial MFU of the cost model; calibration replaces it")
+    bw_util: float = Field(default=0.7, gt=0, le=1,
+                           description="initial bandwidth utilisation of the cost model; calibration replaces it")
+    seed: int | None = Field(default=None, description="seed of the policy's RNG (None: a fresh one per router)")
 
     @model_validator(mode="after")
     def _hbm_priced(self) -> RouterSettings:
@@ -114,7 +113,7 @@ class RouterSettings(_Strict):
         return self
 
 
-class PoolSettings(_Strict):
+class PoolSettings(Strict):
     """The KV pool shard on each node: DRAM arena, optional SSD directory, transfer backend."""
 
     enabled: bool = True
@@ -133,13 +132,13 @@ class PoolSettings(_Strict):
         return self
 
 
-class IngressSettings(_Strict):
-    """The OpenAI ingress (router) deployment."""
+class IngressDeploymentSettings(Strict):
+    """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``)."""
 
     num_replicas: int = Field(default=1, ge=1)
 
 
-class AppConfig(_Strict):
+class AppConfig(Strict):
     """Everything ``build_app`` needs; one YAML/JSON mapping (Serve ``args``)."""
 
     version: Literal[1] = APP_CONFIG_VERSION
@@ -147,7 +146,7 @@ class AppConfig(_Strict):
     replicas: ReplicaSettings
     router: RouterSettings
     pool: PoolSettings
-    ingress: IngressSettings = Field(default_factory=IngressSettings)
+    ingress: IngressDeploymentSettings = Field(default_factory=IngressDeploymentSettings)
 
     def check_spec_names(
         self,

@@ -46,11 +46,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from router.hub import ReplicaPlacement
+from router.hub import CpuBinding, ReplicaPlacement
 
-CpuBinding = Literal["exclusive", "shared"]
 MUTEX_DEADLINE_S = 10.0
 
 

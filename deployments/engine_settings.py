@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from configs.schema import Strict
 
 
-class EngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class EngineSettings(Strict):
 
     model_path: str = Field(description="local model directory (weights + tokenizer)")
     served_model_name: str = Field(description="the name clients put in `model`")

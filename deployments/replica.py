@@ -39,9 +39,9 @@ from typing import Any
 import msgspec
 
 from deployments.app_config import PoolSettings
-from deployments.cpu_placement import CpuBinding, claim_cores, engine_arguments, engine_environment
+from deployments.cpu_placement import claim_cores, engine_arguments, engine_environment
 from deployments.engine_settings import EngineSettings
-from router.hub import DEFAULT_HUB_NAME, ReplicaReport, TransferSample, get_or_create_hub
+from router.hub import DEFAULT_HUB_NAME, CpuBinding, ReplicaReport, TransferSample, get_or_create_hub
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
 from deployments.split_staging import SplitStats, stage_split
 from router.wire import ControlRequest, GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root

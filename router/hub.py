@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Literal
 
 import msgspec
 
 HUB_WIRE_VERSION = 1
+# How a replica's engine threads claim cores (``deployments.cpu_placement``): cores of their own, or shared ones.
+CpuBinding = Literal["exclusive", "shared"]
 DEFAULT_HUB_NAME = "kvstack-cluster-view"
 
 
@@ -45,7 +48,7 @@ class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
 
     cores: list[int]
     threads: int
-    binding: str
+    binding: CpuBinding
     numa_nodes: list[int] = []
     allowed: list[int] = []
     shared_with: list[str] = []

@@ -1,33 +1,46 @@
-"""Typed settings of the OpenAI ingress / router, built by ``deployments.app`` from the app config.
+"""Typed runtime settings of the OpenAI ingress / router (``router.ingress.OpenAIIngress``, ``router.live_view``).
 
-Lives in ``router`` (not ``deployments``) because the router may not import ``deployments``.
+Built in one place, ``deployments.app.ingress_settings(app_config)``, from the app config, whose fields carry the
+defaults; every field that comes from the config is required here (no default), so a builder that forgets one
+fails instead of silently running with a second default. The fields with defaults are the router's own runtime
+knobs, which the app config does not set. Lives in ``router`` (not ``deployments``) because the router may not
+import ``deployments``; ``deployments.app_config`` takes the policy names and tier roles from here.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
 
+from pydantic import Field
+
+from configs.schema import Strict
 from router.hub import DEFAULT_HUB_NAME
 
+# The policies a deployment can name (``router.policies.runner.POLICIES`` has these and test-only ones).
+PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity", "cost_based"]
+# Where a prefix can come from, as the router prices it: the replica's own HBM, the DRAM / SSD of the pool shard on
+# the replica's node, or the DRAM / SSD of a shard on another node (over the network).
+TierRole = Literal["hbm", "local_dram", "remote_dram", "local_ssd", "remote_ssd"]
 
-class IngressSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
+class IngressSettings(Strict):
+    # from the app config (deployments.app.ingress_settings)
     served_model_name: str
     model_path: str = Field(description="local model directory: the tokenizer and chat template come from here")
     max_model_len: int = Field(gt=0)
     block_size: int = Field(gt=0)
-    cache_salt: str = ""
-    policy: str = "cost_based"
+    cache_salt: str = Field(description="the engines' cache salt: the ingress's block keys must match theirs")
+    policy: PolicyName
     model_spec: str = Field(description="configs/specs/models.yaml name used for pricing")
     gpu_profile: str = Field(description="configs/specs/gpus.yaml name used for pricing")
-    tiers: dict[str, str] = Field(default_factory=dict, description="tier role -> tiers.yaml name")
-    mfu: float = Field(default=0.4, gt=0, le=1, description="initial MFU; calibration replaces it")
-    bw_util: float = Field(default=0.7, gt=0, le=1)
+    tiers: dict[TierRole, str] = Field(description="tier role -> tiers.yaml name")
+    mfu: float = Field(gt=0, le=1, description="initial MFU; calibration replaces it")
+    bw_util: float = Field(gt=0, le=1, description="initial bandwidth utilisation; calibration replaces it")
+    seed: int | None = Field(description="seed of the policy's RNG (None: fresh)")
+    # the router's own runtime knobs
     hub_name: str = DEFAULT_HUB_NAME
     hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace
     shard_names: list[str] = Field(default_factory=list, description="named pool shard actors to watch")
     poll_interval_s: float = Field(default=0.1, gt=0)
     replica_ttl_s: float = Field(default=10.0, gt=0)
     decision_log_size: int = Field(default=1024, gt=0)
-    seed: int | None = None

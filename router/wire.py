@@ -4,18 +4,25 @@ The ingress tokenizes once and sends token ids with the routing decision; the re
 back through a Serve handle. ``DecisionRequestRouter`` (``deployments.request_router``) reads
 ``GenerateRequest.target_replica`` to honour the decision. Sampling parameters travel as a typed struct of the
 OpenAI fields we support and are turned into vLLM's ``SamplingParams`` on the replica (the ingress does not need
-vLLM's engine types at all).
+vLLM's engine types at all). One protocol, one version constant: ``WIRE_VERSION`` (the hub's reports have their
+own, ``router.hub.HUB_WIRE_VERSION``); the names on it are Literals (``ActionName``, ``StorageTier``,
+``ControlOp``).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from kvpool.keys import BlockKey, Namespace
+from router.policies.base import ActionName, StorageTier
 
 WIRE_VERSION = 1
 # Layout component of the routing namespace until the engine reports the fingerprint of the layout it registered.
 DEFAULT_LAYOUT_TAG = "kvstack-engine"
+# What an operator can ask one replica (``deployments.replica.VLLMReplica.control``).
+ControlOp = Literal["reset_prefix_cache", "info"]
 
 
 def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprint: str = DEFAULT_LAYOUT_TAG
@@ -49,7 +56,7 @@ class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):
 
     shard_id: str
     node_id: str
-    tier: str
+    tier: StorageTier
     start_block: int
     end_block: int
 
@@ -61,7 +68,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     block_keys: list[bytes] = []  # chained keys of the prompt's full blocks (kvpool.keys), computed by the ingress
     sampling: Sampling
     target_replica: str | None = None  # Serve replica unique id chosen by the policy
-    action: str = "recompute"
+    action: ActionName = "recompute"
     fetch_plan: FetchPlanMsg | None = None
     stream: bool = True
 
@@ -71,7 +78,7 @@ class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int = WIRE_VERSION
     target_replica: str
-    op: str  # "reset_prefix_cache"
+    op: ControlOp
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -1,4 +1,4 @@
-"""Shared pytest configuration: markers and the repo root on sys.path."""
+"""Shared pytest configuration: the markers and the session-wide Ray cluster fixture."""
 
 from __future__ import annotations
 

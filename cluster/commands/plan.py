@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cluster.cli_output import print_document
 from configs import (
     ConfigError,
     GpuProfile,
@@ -124,7 +125,7 @@ def _check_perf(args: argparse.Namespace) -> None:
 
 
 def _print_json(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=False))
+    print_document(json.dumps(obj, indent=2, sort_keys=False))
 
 
 # --------------------------------------------------------------------------------------------- breakeven

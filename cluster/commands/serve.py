@@ -5,20 +5,30 @@ cluster (``cluster.local_cluster``) or join ``cluster.address`` → start a KV p
 deploy the Serve app (``deployments.app.build_app``) with the HTTP proxy on ``http.host:http.port`` → print the
 endpoint and an example ``curl`` → wait. On SIGINT/SIGTERM it tears down exactly what it started (Serve app,
 shards, the local cluster's own processes; never ``ray stop``) and exits 0.
+
+Output: the terminal shows kvstack's own lines only (the steps, one line per replica with its node and cores —
+"replica ... bound to cpus ..." —, the endpoint, errors); Ray's and vLLM's logs (this process's and those of the
+processes it starts) go to a log file, ``.kvstack/logs/serve-<time>-<pid>.log`` by default, whose path is the first
+line printed. ``--verbose`` shows them live on the terminal instead (``cluster.cli_output.redirect_output``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
+
+from cluster.cli_output import redirect_output, say, warn
 
 DEPLOY_DEADLINE_S = 900.0
 
@@ -33,6 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="override any config key, e.g. --set app.pool.enabled=false (value parsed as YAML)")
     parser.add_argument("--state-file", type=Path, default=Path(".kvstack/serve.json"),
                         help="where to write the endpoint/pids for `kvstack status` (default: %(default)s)")
+    parser.add_argument("--log-dir", type=Path, default=Path(".kvstack/logs"),
+                        help="directory of the log file for Ray's and vLLM's logs (default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's and vLLM's logs on the terminal instead of writing them to the log file")
 
 
 class Progress:
@@ -40,11 +54,11 @@ class Progress:
         self.t0 = time.monotonic()
 
     def step(self, what: str) -> float:
-        print(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what}", flush=True)
+        say(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what}")
         return time.monotonic()
 
     def done(self, what: str, since: float) -> None:
-        print(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what} ({time.monotonic() - since:.1f}s)", flush=True)
+        say(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what} ({time.monotonic() - since:.1f}s)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,9 +85,33 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, UnknownNameError, ValueError) as exc:
         print(f"kvstack serve: {exc}", file=sys.stderr)
         return 2
+    with log_routing(args.log_dir, verbose=args.verbose):
+        return _serve(cfg, args.state_file)
+
+
+def log_file_path(log_dir: Path) -> Path:
+    """A fresh log file name under ``log_dir`` for one ``kvstack serve`` run."""
+    return log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def log_routing(log_dir: Path, *, verbose: bool) -> Iterator[Path | None]:
+    """Everything but kvstack's own lines goes to a new log file under ``log_dir`` (its path printed first), or
+    stays on the terminal with ``verbose``. Yields the log file's path (None when verbose)."""
+    if verbose:
+        yield None
+        return
+    path = log_file_path(log_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    say(f"[kvstack] Ray and vLLM logs: {path} (--verbose shows them here)")
+    with open(path, "ab", buffering=0) as log, redirect_output(stdout_to=log.fileno(), stderr_to=log.fileno()):
+        yield path
+
+
+def _serve(cfg: Any, state_file: Path) -> int:
     stop = StopFlag()
     handle_signals(stop)
-    stack = ServeStack(cfg, args.state_file, on_ray_started=lambda: handle_signals(stop))
+    stack = ServeStack(cfg, state_file, on_ray_started=lambda: handle_signals(stop))
     try:
         stack.start(stop)
         if not stop.is_set():
@@ -82,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 pass
         return 0
     except Exception as exc:  # noqa: BLE001 - report and clean up whatever started
-        print(f"kvstack serve: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        warn(f"kvstack serve: failed: {type(exc).__name__}: {exc}")
         return 1
     finally:
         stack.stop()
@@ -247,12 +285,10 @@ class ServeStack:
         for r in sorted(reports, key=lambda r: r.placement.cores):
             p = r.placement
             shared = f", shares them with {', '.join(p.shared_with)}" if p.shared_with else ""
-            print(f"[kvstack] replica {r.replica_id} on {ips.get(r.node_id, r.node_id[:12])}: {p.threads} engine "
-                  f"thread(s) bound to cpus {p.cores} (cpu_binding={p.binding}, numa node {p.numa_nodes}{shared})",
-                  flush=True)
+            say(f"[kvstack] replica {r.replica_id} on {ips.get(r.node_id, r.node_id[:12])}: {p.threads} engine "
+                f"thread(s) bound to cpus {p.cores} (cpu_binding={p.binding}, numa node {p.numa_nodes}{shared})")
         if len(reports) < want:
-            print(f"[kvstack] placement: {len(reports)} of {want} replicas reported within {deadline_s:.0f} s",
-                  flush=True)
+            say(f"[kvstack] placement: {len(reports)} of {want} replicas reported within {deadline_s:.0f} s")
 
     def announce(self) -> None:
         host = "127.0.0.1" if self.cfg.http.host in ("0.0.0.0", "::") else self.cfg.http.host
@@ -262,8 +298,8 @@ class ServeStack:
         self.state_file.write_text(json.dumps({"endpoint": base, "model": model,
                                                "ray_address": getattr(self.cluster, "address", None)}))
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
-        print(f"kvstack is serving {model} at {base}   try: curl -s {base}/chat/completions "
-              f"-H 'Content-Type: application/json' -d '{body}'", flush=True)
+        say(f"kvstack is serving {model} at {base}   try: curl -s {base}/chat/completions "
+            f"-H 'Content-Type: application/json' -d '{body}'")
 
     def stop(self) -> None:
         p = self.progress
@@ -274,14 +310,14 @@ class ServeStack:
 
                 serve.shutdown()
         except Exception as exc:  # noqa: BLE001
-            print(f"kvstack serve: serve shutdown: {exc}", file=sys.stderr)
+            warn(f"kvstack serve: serve shutdown: {exc}")
         try:
             if self.shards:
                 from kvpool.shard.placement import stop_shards
 
                 stop_shards(self.shards)
         except Exception as exc:  # noqa: BLE001
-            print(f"kvstack serve: stopping shards: {exc}", file=sys.stderr)
+            warn(f"kvstack serve: stopping shards: {exc}")
         if self.cluster is not None:
             self.cluster.shutdown()
         else:

@@ -14,6 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from cluster.cli_output import print_document
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="base URL, e.g. http://127.0.0.1:8000/v1 (default: from --state-file)")
@@ -81,5 +83,8 @@ def run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"kvstack status: {endpoint} did not answer: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2) if args.json else render(status))
+    if args.json:
+        print_document(json.dumps(status, indent=2))
+    else:
+        print(render(status))
     return 0

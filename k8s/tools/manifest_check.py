@@ -1,12 +1,14 @@
 """Validate kvstack's Kubernetes manifests without a cluster.
 
-    python k8s/tools/manifest_check.py [--crds DIR] [KUSTOMIZATION_DIR ...]
+    python -m k8s.tools.manifest_check [--crds DIR] [KUSTOMIZATION_DIR ...]     (from the repository root)
 
 Prints one line per problem (file or overlay, resource, JSON path, what is wrong) and exits 1 if there is any.
 Default directories: k8s/base, every k8s/overlays/*, k8s/monitoring. Called by tests/unit/test_k8s_manifests.py.
 
 Checks:
-- Every YAML / JSON file under k8s/ parses (``parse_tree``); each kustomization renders (``kustomize_lite``).
+- Every YAML / JSON file under k8s/ parses (``parse_tree``); each kustomization renders with
+  ``kubectl kustomize`` (``render``; kubectl ships kustomize — without kubectl nothing can be rendered, and the
+  check says so).
 - Custom resources validate against the CRDs found in ``--crds`` (default ``../shared/k8s-crds`` next to the
   repository): the CRD's openAPIV3Schema made strict the way the API server's strict field validation is:
   ``additionalProperties: false`` wherever the structural schema lists properties and does not set
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,12 +38,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kustomize_lite  # noqa: E402
-import monitoring_check  # noqa: E402
-import serve_check  # noqa: E402
-from serve_check import Problem  # noqa: E402
+from k8s.tools import monitoring_check, serve_check
+from k8s.tools.serve_check import Problem
 
 K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests claim to support (k8s/README.md)
 K8S_DIR = Path(__file__).resolve().parents[1]
@@ -47,6 +47,28 @@ REPO_ROOT = K8S_DIR.parent
 DEFAULT_CRD_DIR = REPO_ROOT.parent / "shared" / "k8s-crds"
 OBJECT_META_REF = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 CEL_KEY = "x-kubernetes-validations"
+
+
+# -- rendering ----------------------------------------------------------------------------------------------------
+
+class KustomizeError(Exception):
+    """A kustomization did not render (kubectl missing, or kustomize's own error message)."""
+
+
+def kubectl() -> str | None:
+    """The kubectl executable, or None when it is not installed."""
+    return shutil.which("kubectl")
+
+
+def render(directory: Path, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """The resources ``kubectl kustomize DIRECTORY`` produces; ``KustomizeError`` with kustomize's message."""
+    exe = kubectl()
+    if exe is None:
+        raise KustomizeError("kubectl not found on PATH: it renders the kustomizations (`kubectl kustomize`)")
+    out = subprocess.run([exe, "kustomize", str(directory)], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise KustomizeError(out.stderr.strip() or f"kubectl kustomize exited {out.returncode}")
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
 # -- files --------------------------------------------------------------------------------------------------------
@@ -282,8 +304,8 @@ def check_resources(resources: list[dict[str, Any]], crds: CrdSchemas, source: s
 
 def check_directory(directory: Path, crds: CrdSchemas) -> tuple[list[dict[str, Any]], list[Problem]]:
     try:
-        resources = kustomize_lite.render(directory)
-    except kustomize_lite.KustomizeError as exc:
+        resources = render(directory)
+    except KustomizeError as exc:
         return [], [Problem(str(directory), "kustomization", str(exc))]
     return resources, check_resources(resources, crds, str(directory))
 

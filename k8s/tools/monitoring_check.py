@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_check import Problem
+from k8s.tools.serve_check import Problem
 
 STRUCTURAL_KINDS = {"PodMonitor", "ServiceMonitor"}
 _SPEC_KEYS = {

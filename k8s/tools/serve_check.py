@@ -1,6 +1,8 @@
 """Checks of a RayService's ``serveConfigV2`` against Ray Serve, the kvstack app, and the pods it runs on.
 
-Who calls it: ``k8s/tools/manifest_check.py`` for every RayService it validates (and so the unit test).
+Who calls it: ``k8s.tools.manifest_check`` for every RayService it validates (and so the unit test). Import paths
+are resolved with Ray's own helper, the one Serve loads them with (``ray._common.utils.import_attr``); the
+deployment names are the app's own (``deployments.app``).
 
 What is checked (each finding is a ``Problem`` naming where it is and what is wrong):
 - Ray Serve's own schema (``ray.serve.schema.ServeDeploySchema``), plus the models Serve keeps as plain dicts in
@@ -16,7 +18,6 @@ What is checked (each finding is a ``Problem`` naming where it is and what is wr
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import types
 import typing
@@ -26,9 +27,10 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from ray._common.utils import import_attr
 
-REPLICA_DEPLOYMENT = "VLLMReplica"
-INGRESS_DEPLOYMENT = "OpenAIIngress"
+from deployments.app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT
+
 APP_CONFIG_PATH = "deployments.app_config:AppConfig"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Mapping-typed Serve fields whose keys are user data, not schema keys.
@@ -48,23 +50,11 @@ class Problem:
 # -- import paths -------------------------------------------------------------------------------------------------
 
 def resolve(path: str) -> Any:
-    """Import ``module:attr`` or ``module.attr`` (Ray Serve's two forms); raise ImportError saying which part failed."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ImportError(f"{path!r} is not of the form 'module:attr' or 'module.attr'")
+    """``import_attr(path)`` as Serve does it; any failure becomes an ImportError naming the path and the cause."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{path!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ImportError(f"{path!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+        return import_attr(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ImportError(f"{path!r}: {type(exc).__name__}: {exc}") from exc
 
 
 # -- key names ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,10 @@ class Action(enum.StrEnum):
     SPLIT = "split"
 
 
+# The actions' values as a Literal, for typed messages (``router.wire.GenerateRequest.action``).
+ActionName = Literal["holder", "fetch", "recompute", "split"]
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """One prompt to place: its length and the chained block keys of its full blocks."""

@@ -41,6 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         "--set", f"app.engine.model_path={REPO / '.kvstack/models/tiny-qwen3'}",
         "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
         "--set", "app.ingress.num_replicas=2",  # two routers: the anti-herding test needs them
+        "--log-dir", str(tmp / "logs"),  # Ray's and vLLM's logs; serve.log holds kvstack's own lines
     ]
     log = open(log_path, "w")
     # As a user starts it: none of the vLLM variables earlier tests set in this process (in-process engines turn
@@ -48,15 +49,20 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 480
+
+    def tails() -> str:
+        logs = [log_path, *sorted((tmp / "logs").glob("*.log"))]
+        return "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"kvstack serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                pytest.fail(f"kvstack serve exited {proc.returncode}:\n{tails()}")
             if "is serving" in log_path.read_text():
                 break
             time.sleep(1)
         else:
-            pytest.fail(f"kvstack serve not ready within 480 s:\n{log_path.read_text()[-4000:]}")
+            pytest.fail(f"kvstack serve not ready within 480 s:\n{tails()}")
         yield {"proc": proc, "base": f"http://127.0.0.1:{port}/v1", "state": state, "log": log_path}
     finally:
         if proc.poll() is None:

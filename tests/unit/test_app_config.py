@@ -110,3 +110,83 @@ def test_check_spec_names_lists_the_known_names(router: dict[str, Any], message:
     cfg = AppConfig.model_validate(_args(router=router))
     with pytest.raises(UnknownNameError, match=message):
         cfg.check_spec_names(load_models(), load_gpus(), load_tiers())
+
+
+# Every field of the router's runtime settings either comes from the app config (and is required there, so the one
+# builder cannot drop it) or is one of the router's own runtime knobs. A new field must be added to one of the two.
+FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-default value)
+    "served_model_name": ("engine", "served_model_name", "tiny-x"),
+    "model_path": ("engine", "model_path", "/models/x"),
+    "max_model_len": ("engine", "max_model_len", 1234),
+    "block_size": ("engine", "block_size", 32),
+    "cache_salt": ("engine", "cache_salt", "tenant-7"),
+    "policy": ("router", "policy", "prefix_affinity"),
+    "model_spec": ("router", "model_spec", "qwen3-14b"),
+    "gpu_profile": ("router", "gpu_profile", "h100-sxm5-80gb"),
+    "tiers": ("router", "tiers", {"hbm": "hbm", "local_dram": "cpu-dram"}),
+    "mfu": ("router", "mfu", 0.55),
+    "bw_util": ("router", "bw_util", 0.33),
+    "seed": ("router", "seed", 42),
+}
+ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "shard_names", "poll_interval_s", "replica_ttl_s",
+                        "decision_log_size"}
+
+
+def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
+    from deployments.app import ingress_settings
+    from router.ingress_settings import IngressSettings
+
+    fields = IngressSettings.model_fields
+    assert set(fields) == set(FROM_APP_CONFIG) | ROUTER_RUNTIME_KNOBS
+    assert all(fields[name].is_required() for name in FROM_APP_CONFIG)
+    args = _args()
+    defaults = AppConfig.model_validate(args)
+    for section, key, value in FROM_APP_CONFIG.values():
+        assert getattr(getattr(defaults, section), key) != value, (section, key)  # the test value is not a default
+        args[section] = {**args[section], key: value}
+    got = ingress_settings(AppConfig.model_validate(args))
+    for name, (_, _, value) in FROM_APP_CONFIG.items():
+        assert getattr(got, name) == value, name
+
+
+def test_router_settings_are_typed() -> None:
+    from router.ingress_settings import IngressSettings
+
+    base = {name: value for name, (_, _, value) in FROM_APP_CONFIG.items()}
+    IngressSettings.model_validate(base)
+    with pytest.raises(ValidationError, match="policy"):
+        IngressSettings.model_validate({**base, "policy": "cost-based"})
+    with pytest.raises(ValidationError, match="tiers"):
+        IngressSettings.model_validate({**base, "tiers": {"local-dram": "cpu-dram"}})
+    with pytest.raises(ValidationError, match="extra"):
+        IngressSettings.model_validate({**base, "mfu_": 0.4})
+
+
+def test_policy_names_are_policies() -> None:
+    from typing import get_args
+
+    from router.ingress_settings import PolicyName
+    from router.policies.runner import POLICIES
+
+    assert set(get_args(PolicyName)) <= set(POLICIES)
+
+
+def test_every_settings_class_is_strict() -> None:
+    """One strict base (configs.schema.Strict: frozen, unknown keys rejected) for every settings model."""
+    import inspect
+
+    from pydantic import BaseModel
+
+    import cluster.serve_config
+    import deployments.app_config
+    import deployments.engine_settings
+    import router.ingress_settings
+    from configs.schema import Strict
+
+    modules = (cluster.serve_config, deployments.app_config, deployments.engine_settings, router.ingress_settings)
+    models = [obj for m in modules for obj in vars(m).values()
+              if inspect.isclass(obj) and issubclass(obj, BaseModel) and obj.__module__ == m.__name__]
+    assert len(models) >= 10, models
+    assert all(issubclass(m, Strict) for m in models), [m for m in models if not issubclass(m, Strict)]
+    names = [m.__name__ for m in models]
+    assert len(names) == len(set(names)), names

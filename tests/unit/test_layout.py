@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -111,11 +112,10 @@ def test_roundtrip_keeps_fingerprint() -> None:
 
 
 def test_fingerprint_is_stable_across_processes() -> None:
-    code = (
-        "import sys; sys.path.insert(0, '.');"
-        "from tests.unit.test_layout import hybrid_layout; print(hybrid_layout().fingerprint)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    code = "from tests.unit.test_layout import hybrid_layout; print(hybrid_layout().fingerprint)"
+    repo = Path(__file__).resolve().parents[2]  # `python -c` imports from its working directory
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True,
+                         timeout=60)
     assert out.stdout.strip() == hybrid_layout().fingerprint
 
 

@@ -19,8 +19,8 @@ BW_UTIL = 0.7
 
 def make_view() -> LiveView:
     settings = IngressSettings(
-        served_model_name="m", model_path="/nonexistent", max_model_len=4096, block_size=16, model_spec="qwen3-14b",
-        gpu_profile="h100-sxm5-80gb", bw_util=BW_UTIL, seed=0,
+        served_model_name="m", model_path="/nonexistent", max_model_len=4096, block_size=16, cache_salt="",
+        policy="cost_based", model_spec="qwen3-14b", gpu_profile="h100-sxm5-80gb", mfu=0.4, bw_util=BW_UTIL, seed=0,
         tiers={"local_dram": "cpu-dram", "remote_dram": "rdma-pool", "local_ssd": "local-ssd"},
     )
     view = LiveView.from_settings(settings)

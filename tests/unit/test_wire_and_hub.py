@@ -85,6 +85,30 @@ def test_wire_rejects_wrong_types_and_versions() -> None:
     check_version(WIRE_VERSION, "GenerateRequest")
 
 
+def test_wire_names_are_literals() -> None:
+    from typing import get_args
+
+    from router.policies.base import Action, ActionName
+    from router.wire import ControlRequest
+
+    assert set(get_args(ActionName)) == {a.value for a in Action}
+    ok = {"request_id": "r", "prompt_token_ids": [1], "sampling": {"max_tokens": 1}}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode({**ok, "action": Action.SPLIT}), type=GenerateRequest
+                                  ).action == "split"
+    with pytest.raises(msgspec.ValidationError, match="action"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({**ok, "action": "route"}), type=GenerateRequest)
+    with pytest.raises(msgspec.ValidationError, match="fetch_plan"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({**ok, "fetch_plan": ["s", "n", "hbm", 0, 1]}),
+                               type=GenerateRequest)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode({"target_replica": "r", "op": "info"}),
+                                  type=ControlRequest).op == "info"
+    with pytest.raises(msgspec.ValidationError, match="op"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"target_replica": "r", "op": "reboot"}), type=ControlRequest)
+    with pytest.raises(msgspec.ValidationError, match="binding"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"cores": [1], "threads": 1, "binding": "pinned"}),
+                               type=ReplicaPlacement)
+
+
 def test_sampling_defaults_are_not_shared() -> None:
     a, b = Sampling(max_tokens=1), Sampling(max_tokens=1)
     assert a.stop == [] and a.stop is not b.stop
