@@ -40,7 +40,6 @@ class IngressSettings(Strict):
     # the router's own runtime knobs
     hub_name: str = DEFAULT_HUB_NAME
     hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace
-    shard_names: list[str] = Field(default_factory=list, description="named pool shard actors to watch")
     poll_interval_s: float = Field(default=0.1, gt=0)
     replica_ttl_s: float = Field(default=10.0, gt=0)
     decision_log_size: int = Field(default=1024, gt=0)

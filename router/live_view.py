@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -37,7 +37,7 @@ from router.hub import PollReply, ReplicaPlacement, ReplicaReport, get_or_create
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
-from router.policies.base import ReplicaState, RouteRequest
+from router.policies.base import ActionName, ReplicaState, RouteRequest
 from router.policies.pricing import TierMap, tier_class
 from router.policies.runner import PolicyRunner, make_policy
 from router.shard_sync import ShardEvents, ShardSync
@@ -66,7 +66,7 @@ class Routed:
 
     record: DecisionRecord | None
     target_replica: str | None
-    action: str
+    action: ActionName
     fetch_plan: FetchPlanMsg | None
     request_id: str
 
@@ -264,7 +264,7 @@ class LiveView:
         if record.fetch is not None:
             f = record.fetch
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
-        return Routed(record, record.replica_id, str(record.action), plan, request_id), list(keys)
+        return Routed(record, record.replica_id, cast(ActionName, record.action.value), plan, request_id), list(keys)
 
     def replica_states(self, now: float) -> list[ReplicaState]:
         """The live replicas as the policies see them (load, queue delay, calibrated hardware; HBM prefixes are

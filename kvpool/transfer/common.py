@@ -1,6 +1,7 @@
 """Mechanism shared by every transfer backend: epochs, the peer-admission rule, op validation, deadlines.
 
-Called by ``kvpool.transfer.nixl`` and ``kvpool.transfer.tcp`` only; callers of the transfer layer use
+Called by ``kvpool.transfer.nixl`` and ``kvpool.transfer.tcp`` (and the tests' in-process loopback,
+``tests.fakes.transfer``, which the conformance suite holds to the same rules); callers of the transfer layer use
 ``kvpool.transfer.base``. Keeping these rules in one place is what makes the two backends behave the same under
 the one conformance suite.
 

@@ -224,10 +224,11 @@ _SPLIT_SCRIPT = """
 import json, sys
 import ray
 from ray import serve
+from deployments.app import REPLICA_DEPLOYMENT
 from router.wire import ControlRequest, FetchPlanMsg, GenerateRequest, Sampling
 args = json.loads(sys.argv[1])
 ray.init(address=args["address"], namespace="kvstack", logging_level="ERROR", log_to_driver=False)
-handle = serve.get_deployment_handle("VLLMReplica", app_name="kvstack")
+handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name="kvstack")
 req = GenerateRequest(request_id="split-e2e", prompt_token_ids=args["tokens"], sampling=Sampling(max_tokens=8,
     temperature=0.0), target_replica=args["target"], action="split", fetch_plan=FetchPlanMsg(*args["plan"]),
     stream=False)

@@ -128,7 +128,7 @@ FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-
     "bw_util": ("router", "bw_util", 0.33),
     "seed": ("router", "seed", 42),
 }
-ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "shard_names", "poll_interval_s", "replica_ttl_s",
+ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "replica_ttl_s",
                         "decision_log_size"}
 
 
