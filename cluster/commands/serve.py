@@ -22,13 +22,12 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
-
 from cluster.cli_output import redirect_output, say, warn
+from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
 
 DEPLOY_DEADLINE_S = 900.0
 
@@ -101,7 +100,7 @@ def log_routing(log_dir: Path, *, verbose: bool) -> Iterator[Path | None]:
     if verbose:
         yield None
         return
-    path = log_file_path(log_dir)
+    path = log_file_path(log_dir.resolve())
     path.parent.mkdir(parents=True, exist_ok=True)
     say(f"[kvstack] Ray and vLLM logs: {path} (--verbose shows them here)")
     with open(path, "ab", buffering=0) as log, redirect_output(stdout_to=log.fileno(), stderr_to=log.fileno()):
