@@ -118,15 +118,22 @@ Explanation = Callable[[], tuple[str, dict[str, float]]]
 class Ranking:
     """A policy's answer: candidates best-first (the first is chosen) and a one-line reason with its numbers.
 
+    ``choosable``: how many leading candidates the runner's tie-break may pick among (``None``: all of them); the
+    candidates after them are alternatives for the record only (``cost_based`` puts there the actions it held back
+    in favour of the HBM holder, so a near-tie is never handed back to them).
+
     A policy whose reason is costly to format (``cost_based``: a formula with a dozen numbers, a third of a
     decision's time) passes ``explain`` instead: it runs once, when ``reason`` or ``extra`` is first read (the
     runner hands it to the audit log, which reads it only when somebody reads the record)."""
 
-    __slots__ = ("_explain", "_extra", "_reason", "candidates")
+    __slots__ = ("_explain", "_extra", "_reason", "candidates", "choosable")
 
     def __init__(self, candidates: Sequence[Candidate], reason: str = "", extra: dict[str, float] | None = None,
-                 *, explain: Explanation | None = None) -> None:
+                 *, explain: Explanation | None = None, choosable: int | None = None) -> None:
+        if choosable is not None and not 1 <= choosable <= len(candidates):
+            raise ValueError(f"choosable must be in [1, {len(candidates)}], got {choosable}")
         self.candidates = candidates
+        self.choosable = choosable
         self._reason = reason
         self._extra = extra if extra is not None else {}
         self._explain = explain
@@ -159,9 +166,10 @@ class RoutingPolicy(ABC):
     """Ranks candidates for one request. Implementations live one per file in ``router/policies/``."""
 
     name: ClassVar[str]
-    #: True when candidates are ordered by ``predicted_ttft_s`` and near-equal ones are interchangeable: the
-    #: ``PolicyRunner`` then picks at random among those within its tie window (anti-herding). Policies whose
-    #: order means something else (round robin, pow-2 on load) leave it False and break their own ties.
+    #: True when the choosable candidates (``Ranking.choosable``) are ordered by ``predicted_ttft_s`` and near-equal
+    #: ones are interchangeable: the ``PolicyRunner`` then picks at random among those within its tie window
+    #: (anti-herding). Policies whose order means something else (round robin, pow-2 on load) leave it False and
+    #: break their own ties.
     tie_break: ClassVar[bool] = False
 
     @abstractmethod

@@ -1,4 +1,5 @@
-"""``cost_based``: price HOLDER / FETCH / RECOMPUTE / SPLIT on every replica with the cost model; take the minimum.
+"""``cost_based``: price HOLDER / FETCH / RECOMPUTE / SPLIT on every replica with the cost model; take the minimum,
+unless it does not beat the best HBM holder by more than the model's own uncertainty (the pick, below).
 
 For replica r (queue q_r, HBM prefix h_r blocks) and a request of P tokens (block size bs), with pool hits x
 (shard, storage tier, prefix p_x blocks, shard queue q_x) priced on tier T = TierMap.tier(x.tier, same node?):
@@ -31,18 +32,33 @@ loop, tested against ``price_replica``) turns those into the actions of one (HBM
 not move (``h_r·bs·kv_bytes/(BW_util·BW_T)``), SPLITs that cannot beat the gain even with their fixed costs are
 skipped unsolved.
 
-Ranking: the cheapest replicas (each with its best action) within ``max(window_abs_s, window_rel · best)`` of the
-best, at most ``max_candidates`` (the runner's tie window must be narrower), plus the best candidate of every
-other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected RNG)
-and ``tie_break`` lets the runner pick among near-ties, so several routers do not herd onto one replica.
+Ranking: the cheapest replicas (each with its best action) within ``w(best)`` of the best, ``w(t) = max(window_abs_s,
+window_rel · t)``, at most ``max_candidates`` (the runner's tie window must be narrower), plus the best candidate of
+every other action (the audit's alternatives), best first. Exact ties are ordered from a random rotation (injected
+RNG) and ``tie_break`` lets the runner pick among near-ties, so several routers do not herd onto one replica.
+
+The pick (``hold_back``, shared by ``rank`` and the reference test): leaving the HBM holder must pay for the
+model's own uncertainty. With H the cheapest HOLDER candidate (TTFT t_H on replica r_H, queue q_H) and ε =
+``uncertainty``, any other candidate c (FETCH, SPLIT, or RECOMPUTE elsewhere) is chosen only if
+
+    t_c < t_H − max(ε · (t_H − q_H·[r_c = r_H]),  w(t_H))
+
+(on the holder's own replica the queue is the same in both predictions, so only the work is uncertain). Otherwise c
+is held back: it stays in the ranking (the audit's alternatives) after the choosable candidates, which the runner's
+tie-break may not pass (``Ranking.choosable``). So a near-tie (within the window) goes to the HOLDER, which moves no
+bytes, and a FETCH that reuses fewer tokens than the holder wins only when the holder's queue makes it cheaper by
+more than ε. ε defaults to 0.25: the calibration's target (issue 13: after warm-up the median |predicted − actual| /
+actual of the chosen action must be <= 25%), i.e. the error the model admits in a typical prediction; a FETCH also
+carries costs the model does not price yet (lease and lookup round trips). ε = 0 keeps only the near-tie rule.
+Without any HOLDER candidate (no replica holds a prefix) nothing is held back.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import ClassVar, NamedTuple
 
 from router.cost import GB
@@ -73,11 +89,12 @@ from router.policies.pricing import (
     tier_class,
 )
 
+#: The note a held-back candidate carries (``hold_back``).
+HELD_BACK = "held back: does not beat the best holder by the uncertainty margin"
 _HOLDER, _FETCH, _RECOMPUTE, _SPLIT = 0, 1, 2, 3  # action codes: index into _ACTIONS (and rank's per-action bests)
 _ACTIONS = (Action.HOLDER, Action.FETCH, Action.RECOMPUTE, Action.SPLIT)
 _INF = float("inf")
 _REMOTE = (DRAM_REMOTE, SSD_REMOTE)
-_by_ttft = attrgetter("predicted_ttft_s")
 _first = itemgetter(0)
 
 
@@ -268,6 +285,32 @@ def price_replica(
     return out
 
 
+def hold_back(
+    cands: Sequence[Candidate], queue_s: Mapping[str, float], *, uncertainty: float, window_abs_s: float,
+    window_rel: float,
+) -> tuple[list[Candidate], int]:
+    """The pick step (module docstring): ``cands`` best-first by predicted TTFT, ``queue_s`` the queue of every
+    replica with a HOLDER candidate. Returns the candidates reordered, choosable first (HOLDERs and the actions that
+    beat the best HOLDER by the margin, best-first: the first is the decision), then the held-back ones (best-first,
+    noted ``HELD_BACK``), and the number of choosable ones."""
+    h = next((c for c in cands if c.action is Action.HOLDER), None)
+    if h is None:
+        return list(cands), len(cands)
+    th = h.predicted_ttft_s
+    near = max(window_abs_s, window_rel * th)
+    need_other = th - max(uncertainty * th, near)
+    need_same = th - max(uncertainty * (th - queue_s[h.replica_id]), near)
+    keep: list[Candidate] = []
+    held: list[Candidate] = []
+    for c in cands:
+        if c.action is Action.HOLDER or c.predicted_ttft_s < (need_same if c.replica_id == h.replica_id
+                                                              else need_other):
+            keep.append(c)
+        else:
+            held.append(Candidate(c.action, c.replica_id, c.predicted_ttft_s, c.reused_tokens, c.fetch, HELD_BACK))
+    return keep + held, len(keep)
+
+
 class CostBased(RoutingPolicy):
     name: ClassVar[str] = "cost_based"
     tie_break: ClassVar[bool] = True
@@ -283,7 +326,11 @@ class CostBased(RoutingPolicy):
         split_min_gain: float = 0.15,
         window_rel: float = 0.05,
         window_abs_s: float = 0.002,
+        uncertainty: float = 0.25,
     ) -> None:
+        """``uncertainty``: ε of the pick (module docstring), the relative error of a predicted TTFT that an action
+        must beat the best HOLDER by before it is chosen instead (default 0.25, the calibration's target median
+        |predicted − actual| / actual); in [0, 1)."""
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         if not 0 <= split_min_gain < 1:
@@ -299,6 +346,9 @@ class CostBased(RoutingPolicy):
             raise ValueError(f"candidate window must be >= 0, got {window_rel}, {window_abs_s}")
         self.window_rel = window_rel
         self.window_abs_s = window_abs_s
+        if not 0 <= uncertainty < 1:
+            raise ValueError(f"uncertainty must be in [0, 1), got {uncertainty}")
+        self.uncertainty = uncertainty
 
     def update_tier_map(self, tier_map: TierMap) -> bool:
         return self._pricer.set_tier_map(tier_map)
@@ -432,16 +482,33 @@ class CostBased(RoutingPolicy):
             d = special.get(i)
             return d if d is not None else cls_list[i].desc
 
-        chosen = {(i, desc(i)[0]) for i in top}
-        cands = [_candidate(rs[i], desc(i), costs[i], hits) for i in top]
+        entries = [(costs[i], i, desc(i)) for i in top]
+        chosen = {(i, d.action) for _, i, d in entries}
         for a in range(4):
             i = act_at[a]
             if i >= 0 and (i, a) not in chosen:
-                cands.append(_candidate(rs[i], act_desc[a], act_cost[a], hits))
-        cands.sort(key=_by_ttft)
-        args = (rs[first], desc(first), best, groups[id(hws[first])], prompt, bs, hits, pricer.require_tiers(self.name),
-                self.split_staging)
-        return Ranking(cands, explain=lambda: _explain(*args))  # formatted only when somebody reads it
+                entries.append((act_cost[a], i, act_desc[a]))
+                chosen.add((i, a))
+        ih = act_at[_HOLDER]
+        if ih >= 0 and (ih, special[ih].action) not in chosen:  # the holder's own best (e.g. a FETCH on top of it)
+            entries.append((costs[ih], ih, special[ih]))
+        entries.sort(key=_first)
+        cands = [_candidate(rs[i], d, t, hits) for t, i, d in entries]
+        choosable = len(cands)
+        decision = entries[0]
+        held: Candidate | None = None  # the cheapest prediction, when it was held back
+        if ih >= 0:
+            queues = {rs[i].replica_id: qs[i] for _, i, d in entries if d.action == _HOLDER}
+            picked, choosable = hold_back(cands, queues, uncertainty=self.uncertainty, window_abs_s=self.window_abs_s,
+                                          window_rel=self.window_rel)
+            if picked[0] is not cands[0]:
+                decision = entries[cands.index(picked[0])]
+                held = picked[choosable]
+            cands = picked
+        t, i, d = decision
+        args = (rs[i], d, t, groups[id(hws[i])], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging,
+                held)
+        return Ranking(cands, explain=lambda: _explain(*args), choosable=choosable)  # formatted only when read
 
 
 def _candidate(r: ReplicaState, d: ActionPlan, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:
@@ -462,8 +529,29 @@ def _explain(
     hits: Sequence[tuple[PoolHit, int]],
     tiers: TierMap,
     staged: bool,
+    held: Candidate | None = None,
 ) -> tuple[str, dict[str, float]]:
-    """The chosen candidate's formula with its values (Dynamo-selector style)."""
+    """The chosen candidate's formula with its values (Dynamo-selector style), and the cheaper prediction held back
+    in its favour (``hold_back``), if any."""
+    text, values = _formula(r, d, total, g, prompt, bs, hits, tiers, staged)
+    if held is None:
+        return text, values
+    values["held_back_ttft_s"] = held.predicted_ttft_s
+    return (f"{text}; {held.action} on {held.replica_id} ({held.predicted_ttft_s:.4f}s) held back: it does not beat "
+            f"the holder by the uncertainty margin", values)
+
+
+def _formula(
+    r: ReplicaState,
+    d: ActionPlan,
+    total: float,
+    g: _Group,
+    prompt: float,
+    bs: int,
+    hits: Sequence[tuple[PoolHit, int]],
+    tiers: TierMap,
+    staged: bool,
+) -> tuple[str, dict[str, float]]:
     co = g.co
     a, hi, start, end = d.action, d.hit, d.start, d.end
     q = r.queue_delay_s

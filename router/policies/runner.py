@@ -18,8 +18,8 @@ reports every router would see the same "best" replica and pile onto it. The run
 in-flight assignments to the snapshot it shows the policy — +1 waiting and +the request's own predicted prefill
 seconds on the replica's queue delay — until the replica reports them (``acknowledge*``), the first token arrives,
 or ``inflight_ttl_s`` passes; and (2) for policies with ``tie_break`` (candidates ordered by predicted TTFT) picks
-uniformly at random among the candidates within ``max(tie_abs_s, tie_rel · best)`` of the best, with its own
-injected RNG, so two routers with identical views still choose different replicas. Both can be switched off
+uniformly at random among the choosable candidates (``Ranking.choosable``) within ``max(tie_abs_s, tie_rel · best)``
+of the best, with its own injected RNG, so two routers with identical views still choose different replicas. Both can be switched off
 (``anti_herding=False``, ``tie_break=False``) to measure the herd a naive router forms.
 
 No I/O: clocks and the RNG are injected; audit log and metrics are optional in-memory sinks.
@@ -153,12 +153,13 @@ class PolicyRunner:
             raise PolicyError(f"policy {self.policy_name!r} returned no candidates")
         chosen = cands[0]
         tie = ""
-        if self._tie_break and len(cands) > 1:
+        n = len(cands) if ranking.choosable is None else ranking.choosable
+        if self._tie_break and n > 1:
             best = chosen.predicted_ttft_s
             window = max(self.tie_abs_s, self.tie_rel * best)
             limit = best + window
             k = 1
-            while k < len(cands) and cands[k].predicted_ttft_s <= limit:
+            while k < n and cands[k].predicted_ttft_s <= limit:
                 k += 1
             if k > 1:
                 j = self._rng.randrange(k)

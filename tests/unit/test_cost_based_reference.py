@@ -1,6 +1,7 @@
 """cost_based's tight loop (``_Group.options``, and ``rank`` over it) against the formulas written out
 (``price_replica``, built from ``router.policies.pricing``'s per-action candidates): same actions, same plans, same
-costs up to float rounding, on random clusters."""
+costs up to float rounding, on random clusters; and ``rank``'s decision is the shared pick step (``hold_back``)
+over the written-out candidates."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 
 from router.policies.base import Candidate, ClusterSnapshot, PoolHit, RouteRequest
-from router.policies.cost_based import CostBased, _candidate, _Group, price_replica
+from router.policies.cost_based import HELD_BACK, CostBased, _candidate, _Group, hold_back, price_replica
 from router.policies.pricing import Pricer
 from tests.fakes.router import router_hw, router_replica, router_tier_map
 
@@ -66,17 +67,27 @@ def test_options_match_the_written_out_formulas(staged: bool, gain: float | None
         assert splits_seen > 0  # the cases reach SPLIT, so its branch is compared too
 
 
-def test_rank_picks_the_cheapest_written_out_candidate() -> None:
+@pytest.mark.parametrize("uncertainty", [0.25, 0.0])
+def test_rank_picks_what_the_pick_step_picks_from_the_written_out_candidates(uncertainty: float) -> None:
+    """``rank``'s decision is ``hold_back`` over every written-out candidate of every replica (the cheapest one
+    unless it is held back for the best HOLDER), and its cheapest candidate is the cheapest written-out one."""
     rng = random.Random(7)
     tiers = router_tier_map()
     pricer = Pricer(tiers)
+    held_seen = 0
     for _ in range(300):
         request, hits, replicas = _case(rng)
-        policy = CostBased(tier_map=tiers, rng=None)
+        policy = CostBased(tier_map=tiers, rng=None, uncertainty=uncertainty)
         ranking = policy.rank(request, ClusterSnapshot(replicas, tuple(hits)))
         ref = [c for r in replicas for c in price_replica(pricer, r, request, hits, split_min_gain=0.15)]
-        cheapest = min(c.predicted_ttft_s for c in ref)
+        ref.sort(key=lambda c: c.predicted_ttft_s)
+        assert min(c.predicted_ttft_s for c in ranking.candidates) == pytest.approx(
+            ref[0].predicted_ttft_s, rel=1e-9, abs=1e-12)
+        picked, _ = hold_back(ref, {r.replica_id: r.queue_delay_s for r in replicas}, uncertainty=uncertainty,
+                              window_abs_s=policy.window_abs_s, window_rel=policy.window_rel)
         best = ranking.candidates[0]
-        assert best.predicted_ttft_s == pytest.approx(cheapest, rel=1e-9, abs=1e-12)
+        assert best.predicted_ttft_s == pytest.approx(picked[0].predicted_ttft_s, rel=1e-9, abs=1e-12)
         assert any(_key(c) == _key(best) and c.predicted_ttft_s == pytest.approx(best.predicted_ttft_s, rel=1e-9)
-                   for c in ref)
+                   for c in picked if c.note != HELD_BACK)
+        held_seen += picked[0] is not ref[0]
+    assert held_seen > 0  # the cases reach the hold-back, so the pick is compared where it matters

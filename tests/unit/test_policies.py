@@ -16,6 +16,7 @@ from router.decision import AuditLog
 from router.metrics import RouterMetrics
 from router.policies.base import (
     Action,
+    Candidate,
     ClusterSnapshot,
     NoReplicasError,
     PoolHit,
@@ -23,6 +24,7 @@ from router.policies.base import (
     RouteRequest,
     RoutingPolicy,
 )
+from router.policies.cost_based import HELD_BACK, hold_back
 from router.policies.pricing import DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, HwCoeffs, Pricer, TierMap
 from router.policies.runner import (
     POLICIES,
@@ -113,8 +115,13 @@ def _check_ranking(policy: RoutingPolicy, request: RouteRequest, cluster: Cluste
             else:
                 assert c.reused_tokens == 0
     if type(policy).tie_break:
-        ttfts = [c.predicted_ttft_s for c in ranking.candidates]
-        assert ttfts == sorted(ttfts), "tie_break policies rank best-first by predicted TTFT"
+        k = len(ranking.candidates) if ranking.choosable is None else ranking.choosable
+        ttfts = [c.predicted_ttft_s for c in ranking.candidates[:k]]
+        assert ttfts == sorted(ttfts), "tie_break policies rank the choosable candidates best-first by predicted TTFT"
+        held = ranking.candidates[k:]
+        assert [c.predicted_ttft_s for c in held] == sorted(c.predicted_ttft_s for c in held)
+        assert all(c.note == HELD_BACK and c.action is not Action.HOLDER for c in held)
+        assert all(c.note != HELD_BACK for c in ranking.candidates[:k])
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -534,6 +541,7 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
     ranking = _decide(tm, request, cluster, allow_split=False)
     pricer = Pricer(tm)
     brute: dict[Action, float] = {}
+    every: list[Candidate] = []
     for r in reps:
         options = [local_candidate(pricer, r, request)]
         options += [c for h in hits if (c := fetch_candidate(pricer, r, h, request)) is not None]
@@ -542,10 +550,18 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
                                                predicted_ttft_s=r.queue_delay_s + pricer.coeffs(r.hw).prefill(prompt, 0)))
         for c in options:
             brute[c.action] = min(brute.get(c.action, math.inf), c.predicted_ttft_s)
+        every += options
     got: dict[Action, float] = {}
     for c in ranking.candidates:
         got[c.action] = min(got.get(c.action, math.inf), c.predicted_ttft_s)
-    assert ranking.candidates[0].predicted_ttft_s == pytest.approx(min(brute.values()), rel=1e-9)
+    assert min(got.values()) == pytest.approx(min(brute.values()), rel=1e-9)
+    # The decision is the pick (hold_back, with the policy's defaults) over every (replica, hit) candidate.
+    every.sort(key=lambda c: c.predicted_ttft_s)
+    defaults = make_policy("cost_based", tier_map=tm)
+    picked, _ = hold_back(every, {r.replica_id: r.queue_delay_s for r in reps}, uncertainty=defaults.uncertainty,
+                          window_abs_s=defaults.window_abs_s, window_rel=defaults.window_rel)
+    assert ranking.candidates[0].action is picked[0].action
+    assert ranking.candidates[0].predicted_ttft_s == pytest.approx(picked[0].predicted_ttft_s, rel=1e-9)
     assert got.keys() == brute.keys()
     for action, value in brute.items():
         assert got[action] == pytest.approx(value, rel=1e-9), action
