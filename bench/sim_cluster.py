@@ -97,7 +97,9 @@ class SimShard:
 
 
 class SimCluster:
-    """Replicas and shards over one ``BlockHolders``. Cache ids: replica i -> i; shard s -> R+2s (DRAM), R+2s+1 (SSD)."""
+    """Replicas and shards over one ``BlockHolders``.
+
+    Cache ids: replica i -> i; shard s -> R+2s (DRAM), R+2s+1 (SSD)."""
 
     def __init__(
         self,

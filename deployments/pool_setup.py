@@ -1,14 +1,13 @@
 """Start the KV pool: one named ``PoolShard`` per worker node, sized from the app config.
 
-Who calls it: ``kvstack serve`` after the cluster is up (``start_pool``: every worker node at once) and every
-replica before its engine starts (``ensure_local_shard``: its own node; this is how nodes that KubeRay's
-autoscaler adds get a shard). Shards are detached named actors: they outlive any one replica and are stopped by
-whoever tears the pool down (``kvstack serve`` on exit; on Kubernetes, the node going away).
-The pool is built by ``kvpool.shard.placement.build_pool`` (named in the default namespace, so connectors and
-routers find the shards by node through ``kvpool.shard.registry``); this module only sizes the shards. The slot
-size is one KV block of the model's layout (all full-attention layers of ``block_size`` tokens, plus the linear-state page for
-hybrids), derived from the model's config.json; the connector refuses a pool whose slot size does not match the
-layout it registered.
+Who calls it: ``kvstack serve`` after the cluster is up (``start_pool``: every worker node at once) and every replica
+before its engine starts (``ensure_local_shard``: its own node; this is how nodes that KubeRay's autoscaler adds get a
+shard). Shards are detached named actors: they outlive any one replica and are stopped by whoever tears the pool down
+(``kvstack serve`` on exit; on Kubernetes, the node going away). The pool is built by
+``kvpool.shard.placement.build_pool`` (named in the default namespace, so connectors and routers find the shards by node
+through ``kvpool.shard.registry``); this module only sizes the shards. The slot size is one KV block of the model's
+layout (all full-attention layers of ``block_size`` tokens, plus the linear-state page for hybrids), derived from the
+model's config.json; the connector refuses a pool whose slot size does not match the layout it registered.
 """
 
 from __future__ import annotations

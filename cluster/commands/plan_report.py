@@ -1,8 +1,8 @@
 """The planner's report: the design notes' figures as PNG files plus a markdown summary, all from ``router.cost``.
 
-Lives next to its only caller, ``cluster/commands/plan.py`` (``kvstack plan report --out DIR``), which parses the
-specs and passes a ``ReportInputs``; ``write_report`` writes the files and returns their paths. The pure helpers (``crossover_tokens``,
-``bandwidth_threshold_gbps``, ``fmt_tokens``) are also used by ``kvstack plan breakeven``.
+Lives next to its only caller, ``cluster/commands/plan.py`` (``kvstack plan report --out DIR``), which parses the specs
+and passes a ``ReportInputs``; ``write_report`` writes the files and returns their paths. The pure helpers
+(``crossover_tokens``, ``bandwidth_threshold_gbps``, ``fmt_tokens``) are also used by ``kvstack plan breakeven``.
 
 Imports only ``configs`` and ``router.cost`` (and numpy) at module level; matplotlib is imported inside
 ``_pyplot()`` with the Agg backend, so importing this module is cheap and needs no display.

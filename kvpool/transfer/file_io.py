@@ -1,8 +1,8 @@
 """Batched block I/O between files (the pool's SSD tier) and registered host memory.
 
-Called by the transfer bench's file section (``bench/transfer_probes.py``), which measures the engines below for
-the SSD tier (the shard's SSD tier itself is ``kvpool.ssd``). The caller owns the files: it opens them with ``open_block_file`` (O_DIRECT where
-the file system allows it) and passes file descriptors in ``FileOp``.
+Called by the transfer bench's file section (``bench/transfer_probes.py``), which measures the engines below for the SSD
+tier (the shard's SSD tier itself is ``kvpool.ssd``). The caller owns the files: it opens them with ``open_block_file``
+(O_DIRECT where the file system allows it) and passes file descriptors in ``FileOp``.
 
 Engine choice (measured by ``kvstack bench transfer``, "file" section; this 2-core VM, virtio disk, cold cache,
 blocks in random file order, 256 MiB per run):

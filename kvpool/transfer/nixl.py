@@ -1,8 +1,9 @@
 """NixlEndpoint: ``kvpool.transfer.base.TransferEndpoint`` on NIXL (UCX backend), host (DRAM) memory.
 
-Created by a pool shard (passive side: registers its DRAM arena, publishes ``metadata()`` through Ray; it reads
-from a peer shard only for a ``pull``, ``kvpool.shard.pull``) and by clients (the connector's worker side, test actors, the transfer bench) that ``add_peer`` and ``read``/``write``.
-Conformance: ``tests/integration/test_transport_conformance.py`` (shared with ``TcpEndpoint``).
+Created by a pool shard (passive side: registers its DRAM arena, publishes ``metadata()`` through Ray; it reads from a
+peer shard only for a ``pull``, ``kvpool.shard.pull``) and by clients (the connector's worker side, test actors, the
+transfer bench) that ``add_peer`` and ``read``/``write``. Conformance:
+``tests/integration/test_transport_conformance.py`` (shared with ``TcpEndpoint``).
 
 Mechanism:
 - One ``nixl_agent`` per endpoint, named ``"<agent_name>@<epoch>"`` so a restarted process never collides with

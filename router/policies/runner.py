@@ -19,8 +19,8 @@ in-flight assignments to the snapshot it shows the policy — +1 waiting and +th
 seconds on the replica's queue delay — until the replica reports them (``acknowledge*``), the first token arrives,
 or ``inflight_ttl_s`` passes; and (2) for policies with ``tie_break`` (candidates ordered by predicted TTFT) picks
 uniformly at random among the choosable candidates (``Ranking.choosable``) within ``max(tie_abs_s, tie_rel · best)``
-of the best, with its own injected RNG, so two routers with identical views still choose different replicas. Both can be switched off
-(``anti_herding=False``, ``tie_break=False``) to measure the herd a naive router forms.
+of the best, with its own injected RNG, so two routers with identical views still choose different replicas. Both
+can be switched off (``anti_herding=False``, ``tie_break=False``) to measure the herd a naive router forms.
 
 No I/O: clocks and the RNG are injected; audit log and metrics are optional in-memory sinks.
 """

@@ -1,11 +1,11 @@
 """One conformance suite for every ``TransferEndpoint`` backend (NIXL over UCX, plain TCP, the loopback).
 
 Peers run in separate processes (``bench.transfer_peer``, the harness ``kvstack bench transfer`` measures with), each
-owning one endpoint and one registered region filled with a seeded random pattern; the test process is the client.
-No Ray. A peer is driven through a pipe (``Register``, ``Digest``, ``Stop``); freezing and killing use real signals
-on the peer process. The loopback backend (``tests.fakes.transfer.LoopbackEndpoint``, the in-process transport the unit tests
-move bytes with) has in-process peers (``LoopbackPeer``) with the same surface: killed = closed, frozen = its ops
-wait out their deadline.
+owning one endpoint and one registered region filled with a seeded random pattern; the test process is the client. No
+Ray. A peer is driven through a pipe (``Register``, ``Digest``, ``Stop``); freezing and killing use real signals on the
+peer process. The loopback backend (``tests.fakes.transfer.LoopbackEndpoint``, the in-process transport the unit tests
+move bytes with) has in-process peers (``LoopbackPeer``) with the same surface: killed = closed, frozen = its ops wait
+out their deadline.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def _case(rng: random.Random) -> tuple[RouteRequest, list[PoolHit], list]:  # ty
                     rng.choice([0.0, rng.uniform(0, 0.05)]))
             for j in range(rng.randint(0, 5))]
     hw = rng.choice(HARDWARE)
-    replicas = [router_replica(f"r{i}", f"node-{rng.randint(0, 3)}", queue_delay_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
+    replicas = [router_replica(f"r{i}", f"node-{rng.randint(0, 3)}",
+                               queue_delay_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
                                hbm_prefix_blocks=rng.choice([0, rng.randint(0, top)]), hw=hw)
                 for i in range(rng.randint(1, 6))]
     return request, hits, replicas
@@ -35,7 +36,8 @@ def _case(rng: random.Random) -> tuple[RouteRequest, list[PoolHit], list]:  # ty
 
 def _key(c: Candidate) -> tuple:  # type: ignore[type-arg]
     f = c.fetch
-    return (c.action.value, c.replica_id, c.reused_tokens, None if f is None else (f.shard_id, f.start_block, f.end_block))
+    plan = None if f is None else (f.shard_id, f.start_block, f.end_block)
+    return (c.action.value, c.replica_id, c.reused_tokens, plan)
 
 
 @pytest.mark.parametrize("staged", [True, False])

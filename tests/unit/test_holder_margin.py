@@ -44,7 +44,8 @@ def live_view(overheads: dict[str, float]) -> LiveView:
     flops_per_s = hw.mfu * hw.gpu.bf16_tflops * 1e12
     for rid, overhead in overheads.items():
         for tokens in (200, 400, 700, 1000, 1300, 1600):
-            view.calibrator.observe_prefill(rid, hw, tokens, 0, overhead + prefill_flops(hw.model, tokens) / flops_per_s)
+            seconds = overhead + prefill_flops(hw.model, tokens) / flops_per_s
+            view.calibrator.observe_prefill(rid, hw, tokens, 0, seconds)
         assert view.calibrator.overhead_s(rid) == pytest.approx(overhead, rel=1e-6)
     return view
 

@@ -1,10 +1,10 @@
 """The rooms' import rules (DESIGN.md, "Layout") and no import cycle between modules, read from the source.
 
-Every ``import`` / ``from … import`` of the project's own modules is collected with ``ast`` — at module level and
-inside functions alike, so a cycle hidden behind a function-level import counts too — and checked: a room imports
-only the rooms below it (``configs ← kvpool ← router ← deployments ← cluster ← bench``; ``k8s/tools`` checks the
-app from outside), bench never imports the CLI's commands (``cluster.commands``: it talks to ``kvstack serve`` as a
-subprocess; ``cluster.cli`` finds bench's commands by module name), and the module graph has no cycle.
+Every ``import`` / ``from … import`` of the project's own modules is collected with ``ast`` — at module level and inside
+functions alike, so a cycle hidden behind a function-level import counts too — and checked: a room imports only the
+rooms below it (``configs ← kvpool ← router ← deployments ← cluster ← bench``; ``k8s/tools`` checks the app from
+outside), bench never imports the CLI's commands (``cluster.commands``: it talks to ``kvstack serve`` as a subprocess;
+``cluster.cli`` finds bench's commands by module name), and the module graph has no cycle.
 """
 
 from __future__ import annotations

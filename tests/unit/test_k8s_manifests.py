@@ -155,7 +155,8 @@ def test_overlay_patch_on_a_reordered_base_fails_loudly(tmp_path: Path) -> None:
     base.write_text(text)
     if manifest_check.kubectl() is None:
         pytest.skip(NO_KUBECTL)
-    with pytest.raises(manifest_check.KustomizeError, match="testing value /spec/rayClusterConfig/workerGroupSpecs/0/template/spec/volumes/1/name failed"):
+    failed = "testing value /spec/rayClusterConfig/workerGroupSpecs/0/template/spec/volumes/1/name failed"
+    with pytest.raises(manifest_check.KustomizeError, match=failed):
         manifest_check.render(copy_tree / "overlays" / "gpu")
 
 

@@ -24,7 +24,8 @@ NODE = "node-x"
 
 
 class StoreSource:
-    """The real store behind the ShardEvents protocol, in-process (the Ray path is kvpool.shard.client.ShardEventSource)."""
+    """The real store behind the ShardEvents protocol, in-process (the Ray path is
+    kvpool.shard.client.ShardEventSource)."""
 
     def __init__(self, store: BlockStore, *, hang: bool = False) -> None:
         self.store = store
