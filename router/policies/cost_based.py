@@ -506,9 +506,9 @@ class CostBased(RoutingPolicy):
                 held = picked[choosable]
             cands = picked
         t, i, d = decision
-        args = (rs[i], d, t, groups[id(hws[i])], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging,
-                held)
-        return Ranking(cands, explain=lambda: _explain(*args), choosable=choosable)  # formatted only when read
+        args = (rs[i], d, t, groups[id(hws[i])], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging)
+        return Ranking(cands, explain=lambda: _with_held_back(_formula(*args), held),  # formatted only when read
+                       choosable=choosable)
 
 
 def _candidate(r: ReplicaState, d: ActionPlan, cost: float, hits: Sequence[tuple[PoolHit, int]]) -> Candidate:
@@ -519,21 +519,10 @@ def _candidate(r: ReplicaState, d: ActionPlan, cost: float, hits: Sequence[tuple
     return Candidate(_ACTIONS[d.action], r.replica_id, cost, d.reused, plan)
 
 
-def _explain(
-    r: ReplicaState,
-    d: ActionPlan,
-    total: float,
-    g: _Group,
-    prompt: float,
-    bs: int,
-    hits: Sequence[tuple[PoolHit, int]],
-    tiers: TierMap,
-    staged: bool,
-    held: Candidate | None = None,
-) -> tuple[str, dict[str, float]]:
-    """The chosen candidate's formula with its values (Dynamo-selector style), and the cheaper prediction held back
-    in its favour (``hold_back``), if any."""
-    text, values = _formula(r, d, total, g, prompt, bs, hits, tiers, staged)
+def _with_held_back(explained: tuple[str, dict[str, float]], held: Candidate | None) -> tuple[str, dict[str, float]]:
+    """The chosen candidate's formula with its values, plus the cheaper prediction held back in its favour
+    (``hold_back``), if any."""
+    text, values = explained
     if held is None:
         return text, values
     values["held_back_ttft_s"] = held.predicted_ttft_s
@@ -552,6 +541,7 @@ def _formula(
     tiers: TierMap,
     staged: bool,
 ) -> tuple[str, dict[str, float]]:
+    """The chosen candidate's formula with its values (Dynamo-selector style)."""
     co = g.co
     a, hi, start, end = d.action, d.hit, d.start, d.end
     q = r.queue_delay_s
