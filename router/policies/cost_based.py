@@ -82,6 +82,7 @@ from router.policies.pricing import (
     HwCoeffs,
     Pricer,
     TierMap,
+    beyond_hbm,
     clamp_blocks,
     fetch_candidate,
     local_candidate,
@@ -267,7 +268,7 @@ def price_replica(
     out = [Candidate(Action.RECOMPUTE, replica.replica_id, q + co.prefill(prompt, 0.0), 0)]
     if hbm > 0:
         out.append(local_candidate(pricer, replica, request))
-    useful = [h for h in hits if h.node_id == replica.node_id and clamp_blocks(h.prefix_blocks, request) > hbm]
+    useful = [h for h in hits if h.node_id == replica.node_id and beyond_hbm(replica, h, request) is not None]
     for storage in ("dram", "ssd"):
         remote = [(c.predicted_ttft_s, i, h) for i, h in enumerate(hits)
                   if h.tier == storage and h.node_id != replica.node_id

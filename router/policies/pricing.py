@@ -273,13 +273,21 @@ def local_candidate(pricer: Pricer, replica: ReplicaState, request: RouteRequest
     return Candidate(Action.RECOMPUTE, replica.replica_id, replica.queue_delay_s + co.prefill(prompt, 0.0), 0)
 
 
-def fetch_candidate(pricer: Pricer, replica: ReplicaState, hit: PoolHit, request: RouteRequest) -> Candidate | None:
-    """FETCH of ``hit``'s prefix beyond the replica's own HBM prefix; ``None`` if the hit adds nothing."""
-    bs = request.block_size
+def beyond_hbm(replica: ReplicaState, hit: PoolHit, request: RouteRequest) -> tuple[int, int] | None:
+    """The blocks ``[hbm, end)`` of ``hit``'s prefix the replica does not hold in HBM (both clamped to the request's
+    full blocks); ``None`` when the hit adds nothing to the replica's own prefix. FETCH and SPLIT move only these."""
     hbm = clamp_blocks(replica.hbm_prefix_blocks, request)
     end = clamp_blocks(hit.prefix_blocks, request)
-    if end <= hbm:
+    return (hbm, end) if end > hbm else None
+
+
+def fetch_candidate(pricer: Pricer, replica: ReplicaState, hit: PoolHit, request: RouteRequest) -> Candidate | None:
+    """FETCH of ``hit``'s prefix beyond the replica's own HBM prefix; ``None`` if the hit adds nothing."""
+    span = beyond_hbm(replica, hit, request)
+    if span is None:
         return None
+    hbm, end = span
+    bs = request.block_size
     co = pricer.coeffs(replica.hw)
     cls_index = tier_class(hit.tier, hit.node_id == replica.node_id)
     prompt = float(max(request.prompt_tokens, 0))
@@ -299,11 +307,11 @@ def split_candidate(
     """SPLIT of ``hit``'s prefix on the replica: compute the head [hbm, k) while the tail [k, prefix) arrives, at the
     best block boundary k (``HwCoeffs.split_staged`` as the replicas run it, pulled to the replica's node shard and
     loaded; ``HwCoeffs.split`` for the ideal overlap); ``None`` when no interior boundary exists."""
-    bs = request.block_size
-    hbm = clamp_blocks(replica.hbm_prefix_blocks, request)
-    end = clamp_blocks(hit.prefix_blocks, request)
-    if end <= hbm:
+    span = beyond_hbm(replica, hit, request)
+    if span is None:
         return None
+    hbm, end = span
+    bs = request.block_size
     co = pricer.coeffs(replica.hw)
     same = hit.node_id == replica.node_id
     cls_index = tier_class(hit.tier, same)
