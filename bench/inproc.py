@@ -162,8 +162,9 @@ def worker_connector(llm: Any) -> Any:
     return getattr(get_kv_transfer_group(), "worker_side", None) if has_kv_transfer_group() else None
 
 
-def connector_stats(llm: Any) -> dict[str, Any]:
-    """Scheduler and worker counters of the in-process connector (plain dicts)."""
+def connector_stats(llm: Any, *, settle_s: float = 30.0) -> dict[str, Any]:
+    """Scheduler and worker counters of the in-process connector (plain dicts), read once the saves staged so far
+    are written (at most ``settle_s``: the saver works in the background)."""
     import dataclasses
 
     sched, worker = scheduler_connector(llm), worker_connector(llm)
@@ -173,7 +174,8 @@ def connector_stats(llm: Any) -> dict[str, Any]:
         out["fingerprint"] = sched.fingerprint
         out["held_leases"] = sched.held_leases()
     if worker is not None:
-        out["worker"] = dataclasses.asdict(worker.stats)
+        worker.wait_saves(settle_s)
+        out["worker"] = worker.stats_dict()
     return out
 
 

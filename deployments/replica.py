@@ -14,9 +14,13 @@ Who calls what:
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
   first has its head computed and its tail staged on this node (``deployments.split_staging``).
+- Every request's first chunk carries its ``router.wire.ReplicaTimeline`` (the replica's preparation and vLLM's own
+  queued / scheduled / first-token timestamps), its last chunk what its pool calls cost on vLLM's scheduler thread
+  (``kvpool.connector.timing``, from the final output's ``kv_transfer_params``).
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
 - Before its engine starts, the replica claims ``threads`` cores of its own and binds the engine to exactly those
-  (``deployments.cpu_placement``); every report carries that placement.
+  (``deployments.cpu_placement``); every report carries that placement, with the engine's worker processes as
+  they report their own binding once the engine is up (``deployments.engine_worker``).
 
 The HBM view comes from vLLM's own KV cache events (``deployments.kv_events``): every block vLLM stores or evicts
 is re-keyed with kvstack's chained keys, so the router sees exactly what the engine holds. With events off
@@ -41,10 +45,28 @@ import msgspec
 from deployments.app_config import PoolSettings
 from deployments.cpu_placement import claim_cores, engine_arguments, engine_environment
 from deployments.engine_settings import EngineSettings
-from router.hub import DEFAULT_HUB_NAME, CpuBinding, ReplicaReport, TransferSample, get_or_create_hub
+from deployments.engine_worker import BINDING_METHOD, WORKER_EXTENSION
+from router.hub import (
+    DEFAULT_HUB_NAME,
+    CpuBinding,
+    EngineWorkerBinding,
+    ReplicaReport,
+    TransferSample,
+    get_or_create_hub,
+)
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
 from deployments.split_staging import SplitStats, stage_split
-from router.wire import ControlRequest, GenerateChunk, GenerateRequest, Sampling, TokenLogprob, check_version, routing_root
+from kvpool.connector.timing import from_params
+from router.wire import (
+    ControlRequest,
+    GenerateChunk,
+    GenerateRequest,
+    ReplicaTimeline,
+    Sampling,
+    TokenLogprob,
+    check_version,
+    routing_root,
+)
 
 log = logging.getLogger("kvstack.replica")
 
@@ -144,6 +166,7 @@ def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None,
         kwargs["kv_events_config"] = events_config(kv_events_port)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the workers report their own binding
     kwargs.update(extra or {})
     return AsyncEngineArgs(**kwargs)
 
@@ -204,6 +227,7 @@ class VLLMReplica:
         self.engine = AsyncLLM.from_engine_args(
             build_engine_args(self.settings, events_port, kv_transfer, extra=placement_args))
         self.startup_s = time.monotonic() - started
+        await self._record_engine_workers()
         self._fingerprint = ""
         if self.pool is not None:
             fingerprint = self._fingerprint = await self._registered_layout_fingerprint()
@@ -225,6 +249,17 @@ class VLLMReplica:
         p = self.cpu_claim.placement
         log.info("replica %s on node %s: engine up in %.1f s; engine threads %d on cpus %s (%s, numa %s)",
                  self.replica_id, self.node_id[:8], self.startup_s, p.threads, p.cores, p.binding, p.numa_nodes)
+
+    async def _record_engine_workers(self) -> None:
+        """Ask every engine worker for its pid and its CPUs as the OS has them, and keep them in the placement (each
+        report carries it: ``kvstack status`` shows the binding as it is)."""
+        try:
+            answers = await asyncio.wait_for(self.engine.collective_rpc(BINDING_METHOD), timeout=30.0)
+        except Exception as exc:  # noqa: BLE001 - a report only
+            log.warning("replica %s: engine workers did not report their binding: %s", self.replica_id, exc)
+            return
+        workers = [EngineWorkerBinding(int(a["pid"]), [int(c) for c in a["cpus"]]) for a in answers]
+        self.cpu_claim.placement = msgspec.structs.replace(self.cpu_claim.placement, engine_workers=workers)
 
     def _apply_placement(self) -> dict[str, Any]:
         """Bind the engine to the claimed cores: the environment its processes inherit (set here, before they
@@ -272,20 +307,25 @@ class VLLMReplica:
         if isinstance(request, bytes):
             request = msgspec.msgpack.decode(request, type=GenerateRequest)
         check_version(request.version, "GenerateRequest")
+        received = time.monotonic()
         self.waiting += 1
         first = True
         prompt_tokens = len(request.prompt_token_ids)
         try:
             hint = await self._plan_hint(request)
+            plan_s = time.monotonic() - received
             params = to_sampling_params(request.sampling, stream=request.stream, kv_shard_hint=hint)
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
             async for out in self.engine.generate(prompt, params, request.request_id):
                 cached = out.num_cached_tokens or 0
+                timeline = None
                 if first:
                     self.waiting -= 1
                     self.running += 1
                     first = False
                     self._touch_pool_prefix(request, cached)
+                    timeline = request_timeline(out.metrics, received, plan_s)
+                pool_timing = from_params(out.kv_transfer_params) if out.finished else None
                 for comp in out.outputs:
                     yield GenerateChunk(
                         index=comp.index,
@@ -297,7 +337,10 @@ class VLLMReplica:
                         prompt_tokens=prompt_tokens,
                         cached_tokens=cached,
                         replica_id=self.replica_id,
+                        timeline=timeline,
+                        pool_timing=pool_timing,
                     )
+                    timeline = None
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
@@ -391,7 +434,7 @@ class VLLMReplica:
                 "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
                 "kv_events_skipped": self._events.translator.skipped if self._events else 0,
                 "split": dataclasses.asdict(self.split_stats), "pool_touches": self.pool_touches,
-                "placement": msgspec.structs.asdict(self.cpu_claim.placement)}
+                "placement": msgspec.to_builtins(self.cpu_claim.placement)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""
@@ -458,3 +501,18 @@ class VLLMReplica:
         claim = getattr(self, "cpu_claim", None)
         if claim is not None:
             claim.release()
+
+
+def request_timeline(metrics: Any, received: float, plan_s: float) -> ReplicaTimeline:
+    """The replica's timeline of one request at its first output: vLLM's engine-core timestamps (``RequestStateStats``,
+    monotonic like ``received``) as offsets from the replica receiving the request."""
+    def since(ts: float) -> float:
+        return ts - received if ts else -1.0
+
+    return ReplicaTimeline(
+        plan_s=plan_s,
+        queued_s=since(getattr(metrics, "queued_ts", 0.0)),
+        scheduled_s=since(getattr(metrics, "scheduled_ts", 0.0)),
+        first_token_s=since(getattr(metrics, "first_token_ts", 0.0)),
+        first_chunk_s=time.monotonic() - received,
+    )

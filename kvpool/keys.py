@@ -11,7 +11,9 @@ H is BLAKE2b with a 16-byte digest (hashlib, C speed).
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
@@ -41,10 +43,22 @@ class Namespace:
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    arr = np.asarray(token_ids)
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+    """The uint32 little-endian bytes of the token ids. A Python list goes through ``array.array`` (about 8× faster
+    than ``np.asarray`` on a list: the ingress hashes lists), an array through numpy."""
+    if not isinstance(token_ids, np.ndarray):
+        try:
+            arr = array.array("I", token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        if arr.itemsize == 4:
+            if sys.byteorder == "big":
+                arr.byteswap()
+            return arr.tobytes()
+        token_ids = np.asarray(arr)  # a platform whose C unsigned int is not 4 bytes
+    arr_np = np.asarray(token_ids)
+    if arr_np.size and (arr_np.min() < 0 or arr_np.max() >= 2**32):
         raise ValueError("token ids must be in [0, 2**32)")
-    return arr.astype("<u4", copy=False).tobytes()
+    return arr_np.astype("<u4", copy=False).tobytes()
 
 
 def chain_keys(
@@ -62,11 +76,12 @@ def chain_keys(
     if limit is not None:
         n_blocks = min(n_blocks, limit)
     keys: list[BlockKey] = []
+    append = keys.append
     prev = bytes(parent)
     blake = hashlib.blake2b
-    for i in range(n_blocks):
-        prev = blake(prev + raw[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
-        keys.append(BlockKey(prev))
+    for start in range(0, n_blocks * step, step):
+        prev = blake(prev + raw[start : start + step], digest_size=KEY_BYTES).digest()
+        append(prev)  # type: ignore[arg-type]
     return keys
 
 

@@ -4,7 +4,8 @@ Who calls what: ``PolicyRunner.decide`` builds one ``DecisionRecord`` per reques
 ``AuditLog``; when the request's first token arrives, the ingress (or the simulator) calls
 ``AuditLog.record_actual`` (through ``PolicyRunner.record_actual``), which fills in the actual TTFT, the
 prediction error (actual − predicted of the chosen candidate) and the regret (actual − best predicted of all
-alternatives). ``kvstack status`` and tests read ``AuditLog.to_json()``.
+alternatives), and the live ingress adds the request's ``RequestTimeline`` (where its TTFT went). ``kvstack status``,
+``/kvstack/decisions`` and tests read ``AuditLog.to_json()``.
 
 A record is a msgspec struct (``version`` = ``DECISION_VERSION``) so it can cross processes and be exported as
 JSON without hand-written converters; candidates and fetch plans are the policy contract's dataclasses.
@@ -17,9 +18,44 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvpool.connector.timing import PoolRequestTiming
 from router.policies.base import Action, Candidate, FetchPlan
+from router.wire import ReplicaTimeline
 
 DECISION_VERSION = 1
+
+
+class RequestTimeline(msgspec.Struct, kw_only=True):
+    """Where one request's time to first token went (seconds): ``ingress_s`` from the ingress receiving it to
+    sending it on (body, chat template, block keys, decision); the replica's own timeline (``replica``, from the
+    first chunk); ``transport_s`` the rest of the TTFT the ingress measured (Serve's routing, both hops); ``pool``
+    what its pool calls on vLLM's scheduler thread cost (from the last chunk; None when the pool was not asked)."""
+
+    ingress_s: float
+    transport_s: float | None = None
+    replica: ReplicaTimeline | None = None
+    pool: PoolRequestTiming | None = None
+
+    def stages(self) -> dict[str, float]:
+        """The timeline as named stage durations (the stages vLLM reported; prometheus and the bench use them)."""
+        out = {"ingress": self.ingress_s}
+        if self.transport_s is not None:
+            out["transport"] = self.transport_s
+        r = self.replica
+        if r is not None:
+            out["plan"] = r.plan_s
+            if r.queued_s >= 0:
+                out["to_engine"] = r.queued_s - r.plan_s
+            if r.scheduled_s >= 0 and r.queued_s >= 0:
+                out["engine_wait"] = r.scheduled_s - r.queued_s
+            if r.first_token_s >= 0 and r.scheduled_s >= 0:
+                out["prefill"] = r.first_token_s - r.scheduled_s
+            if r.first_token_s >= 0:
+                out["to_replica_out"] = r.first_chunk_s - r.first_token_s
+        if self.pool is not None:
+            out["pool_lookup"] = self.pool.lookup_s
+            out["pool_lease"] = self.pool.lease_s
+        return out
 
 
 class DecisionRecord(msgspec.Struct, kw_only=True):
@@ -47,6 +83,8 @@ class DecisionRecord(msgspec.Struct, kw_only=True):
     actual_ttft_s: float | None = None
     prediction_error_s: float | None = None
     regret_s: float | None = None
+    timeline: RequestTimeline | None = None
+    actual_cached_tokens: int | None = None  # prompt tokens the engine reused (HBM or pool): the plan's check
 
     @property
     def predicted_by_action(self) -> dict[str, float]:

@@ -40,11 +40,20 @@ class TransferSample(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
+class EngineWorkerBinding(msgspec.Struct, frozen=True, array_like=True):
+    """One engine worker process as it reports itself (``deployments.engine_worker``): its pid and the CPUs the OS
+    lets its main thread run on."""
+
+    pid: int
+    cpus: list[int]
+
+
 class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
     """Where a replica's engine threads run (``deployments.cpu_placement``): the CPUs it claimed and bound its
     engine to, how many threads, the binding policy, the NUMA node(s) of those CPUs, the CPUs the process could
-    have used, the other live claims on the same CPUs (non-empty only under ``binding="shared"``) and the pid of
-    the replica process holding the claim (its engine processes are its descendants)."""
+    have used, the other live claims on the same CPUs (non-empty only under ``binding="shared"``), the pid of
+    the replica process holding the claim (its engine processes are its descendants) and, once the engine is up,
+    its worker processes as they report their own binding (``engine_workers``; empty until then)."""
 
     cores: list[int]
     threads: int
@@ -53,6 +62,7 @@ class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
     allowed: list[int] = []
     shared_with: list[str] = []
     pid: int = 0
+    engine_workers: list[EngineWorkerBinding] = []
 
 
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -104,7 +104,9 @@ class OpenAIIngress:
         gen = self.replicas.options(stream=True).generate.remote(greq)
         return gen, decision
 
-    async def _timed(self, gen: Any, decision: Any, started: float) -> AsyncIterator[GenerateChunk]:
+    async def _timed(self, gen: Any, decision: Any, started: float, ingress_s: float
+                     ) -> AsyncIterator[GenerateChunk]:
+        """The replica's chunks, timed: the first one's TTFT and timeline, the last one's pool timing."""
         first_at: float | None = None
         tokens = 0
         try:
@@ -113,7 +115,9 @@ class OpenAIIngress:
                     raise fmt.ApiError(500, f"replica error: {chunk.error}", type_="InternalServerError")
                 if first_at is None:
                     first_at = time.monotonic()
-                    self.view.record_first_token(decision, first_at - started, chunk)
+                    self.view.record_first_token(decision, first_at - started, chunk, ingress_s)
+                if chunk.pool_timing is not None:
+                    self.view.record_pool_timing(decision, chunk.pool_timing)
                 tokens += len(chunk.token_ids)
                 yield chunk
         finally:
@@ -199,7 +203,7 @@ class OpenAIIngress:
             sampling = fmt.sampling_from(req, max_tokens)
             rid = fmt.new_id("chatcmpl" if chat else "cmpl")
             gen, decision = await self._generate(rid, token_ids, sampling, bool(req.stream))
-            chunks = self._timed(gen, decision, started)
+            chunks = self._timed(gen, decision, started, time.monotonic() - started)
             headers = {"x-kvstack-action": decision.action, "x-kvstack-router": self.router_id,
                        "x-kvstack-target": decision.target_replica or "",
                        "x-kvstack-replica": decision.target_replica or ""}

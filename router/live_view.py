@@ -32,7 +32,8 @@ from configs import load_gpus, load_models, load_tiers, pick
 from kvpool.keys import BlockKey, chain_keys
 from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
-from router.decision import AuditLog, DecisionRecord
+from kvpool.connector.timing import PoolRequestTiming
+from router.decision import AuditLog, DecisionRecord, RequestTimeline
 from router.hub import PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
@@ -281,10 +282,17 @@ class LiveView:
         request already waiting there (running requests share the batch with ours, so they do not count)."""
         return self.calibrator.overhead_s(replica_id) + load.waiting * load.mean_ttft_s
 
-    def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk) -> None:
-        """Actual TTFT: regret and prediction error (runner), MFU calibration, the replica's mean TTFT."""
+    def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk, ingress_s: float = 0.0) -> None:
+        """Actual TTFT: regret and prediction error (runner), the request's timeline (``ingress_s``: its time in
+        the ingress before it was sent on), MFU calibration, the replica's mean TTFT."""
         if routed.record is not None:
-            self.runner.record_actual(routed.request_id, ttft_s)
+            record = self.runner.record_actual(routed.request_id, ttft_s)
+            if record is not None:
+                replica = chunk.timeline
+                transport = ttft_s - ingress_s - replica.first_chunk_s if replica is not None else None
+                record.timeline = RequestTimeline(ingress_s=ingress_s, transport_s=transport, replica=replica)
+                record.actual_cached_tokens = chunk.cached_tokens
+                self.metrics.observe_stages(record, record.timeline.stages())
         replica_id = chunk.replica_id or (routed.target_replica or "")
         if replica_id and chunk.prompt_tokens > 0 and ttft_s > 0:
             self.calibrator.observe_prefill(replica_id, self.hardware, chunk.prompt_tokens,
@@ -292,6 +300,13 @@ class LiveView:
             load = self.loads.get(replica_id)
             if load is not None:
                 load.mean_ttft_s = ttft_s if load.mean_ttft_s == 0 else 0.8 * load.mean_ttft_s + 0.2 * ttft_s
+
+    def record_pool_timing(self, routed: Routed, timing: PoolRequestTiming) -> None:
+        """The request finished: what its pool calls cost on vLLM's scheduler thread joins its timeline."""
+        record = routed.record
+        if record is not None and record.timeline is not None and record.timeline.pool is None:
+            record.timeline.pool = timing
+            self.metrics.observe_stages(record, {"pool_lookup": timing.lookup_s, "pool_lease": timing.lease_s})
 
     def request_done(self, routed: Routed, tpot_s: float | None = None) -> None:
         if routed.record is not None:
@@ -314,7 +329,7 @@ class LiveView:
     def replica_rows(self) -> list[dict[str, Any]]:
         return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
                  "hbm_blocks": self.index.held_blocks("replica", rid, "hbm"),
-                 "placement": msgspec.structs.asdict(load.placement) if load.placement else None}
+                 "placement": msgspec.to_builtins(load.placement) if load.placement else None}
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:

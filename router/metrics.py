@@ -5,7 +5,8 @@ themselves (``prometheus_client.generate_latest(metrics.registry)``), which the 
 and a test can scrape without a Ray metrics agent; the names and labels are the same on a laptop and in k8s.
 
 Who calls what: ``PolicyRunner`` calls ``observe_decision`` for every decision and ``observe_actual`` when the
-actual TTFT arrives; the ingress calls ``observe_tpot`` per finished stream and ``set_replica_load`` when load
+actual TTFT arrives; the live view calls ``observe_stages`` with each request's timeline (first token, then its pool
+calls once it finished); the ingress calls ``observe_tpot`` per finished stream and ``set_replica_load`` when load
 reports arrive; the live view calls ``observe_transfer`` per reported pool fetch and ``set_tier_prices`` when the
 calibrated tier prices change. The registry is injected (tests and the simulator use their own ``CollectorRegistry``).
 """
@@ -92,6 +93,11 @@ class RouterMetrics:
             "kvstack_router_observed_transfer_bytes", "Bytes of the pool fetches the replicas reported",
             ["tier_class"], registry=r,
         )
+        self.stage_seconds = Histogram(
+            "kvstack_router_request_stage_seconds",
+            "Where the time to first token went, per stage (router.decision.RequestTimeline.stages)",
+            ["policy", "action", "stage"], buckets=_TTFT_BUCKETS, registry=r,
+        )
         self.inflight = Gauge(
             "kvstack_router_inflight_assignments",
             "This router's assignments not yet reflected in the replica's load report (anti-herding)",
@@ -122,6 +128,10 @@ class RouterMetrics:
                 self.prediction_error_ratio.labels(policy, action).observe(ratio)
         if record.regret_s is not None:
             self.regret.labels(policy).observe(record.regret_s)
+
+    def observe_stages(self, record: DecisionRecord, stages: dict[str, float]) -> None:
+        for stage, seconds in stages.items():
+            self.stage_seconds.labels(record.policy, str(record.action), stage).observe(max(0.0, seconds))
 
     def observe_tpot(self, policy: str, seconds: float) -> None:
         self.tpot.labels(policy).observe(seconds)

@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+from kvpool.connector.timing import PoolRequestTiming
 from kvpool.keys import BlockKey, Namespace
 from router.policies.base import ActionName, StorageTier
 
@@ -87,8 +88,22 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
+class ReplicaTimeline(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request's time to first token went on its replica, in seconds from the replica receiving it (vLLM's
+    own engine-core timestamps; one machine's monotonic clock): ``plan_s`` the replica's preparation (a SPLIT's
+    head and staging), then vLLM queued it, first scheduled it (after the pool lookups and the load wait), produced
+    the first token, and the replica sent the first chunk. -1: vLLM did not report that step."""
+
+    plan_s: float
+    queued_s: float = -1.0
+    scheduled_s: float = -1.0
+    first_token_s: float = -1.0
+    first_chunk_s: float
+
+
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """A delta for one choice (``index``); the last chunk of a choice has ``finish_reason`` set."""
+    """A delta for one choice (``index``); the last chunk of a choice has ``finish_reason`` set. The first chunk of
+    a request carries its ``timeline``, the last one its ``pool_timing`` (when the connector consulted the pool)."""
 
     version: int = WIRE_VERSION
     index: int = 0
@@ -100,6 +115,8 @@ class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0  # prefix tokens the engine did not compute (HBM hit or loaded from the pool)
     replica_id: str = ""
     error: str | None = None
+    timeline: ReplicaTimeline | None = None
+    pool_timing: PoolRequestTiming | None = None
 
 
 def check_version(version: int, what: str) -> None:

@@ -44,7 +44,8 @@ def _placement(p: dict[str, Any] | None) -> str:
     if not p:
         return "cpus=?"
     shared = f" shared with {','.join(p['shared_with'])}" if p.get("shared_with") else ""
-    return f"threads={p['threads']} cpus={p['cores']} ({p['binding']}, numa {p['numa_nodes']}){shared}"
+    workers = "".join(f" worker {pid}@{cpus}" for pid, cpus in p.get("engine_workers") or [])
+    return f"threads={p['threads']} cpus={p['cores']} ({p['binding']}, numa {p['numa_nodes']}){shared}{workers}"
 
 
 def render(status: dict[str, Any]) -> str:

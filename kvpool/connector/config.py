@@ -39,6 +39,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``backend``: the transfer implementation (``kvpool.transfer``), must match the shards'.
     - Deadlines in seconds: every wait is bounded. ``lease_ttl_s`` bounds how long a crashed engine can pin blocks.
     - ``load`` / ``save``: switch either direction off (e.g. a read-only replica).
+    - ``save_staging_bytes``: the background saver's staging memory per worker, the bound on save bytes in flight
+      (``kvpool.connector.saver``); blocks that find it full are not saved.
     """
 
     shards: list[ShardRef] = []
@@ -55,11 +57,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_ttl_s: float = 120.0
     transfer_deadline_s: float = 10.0
     save_deadline_s: float = 10.0
+    save_staging_bytes: int = 64 << 20
     load: bool = True
     save: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s"):
+        for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s",
+                     "save_staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvpool connector: {name} must be positive, got {getattr(self, name)}")
         ids = [s.shard_id for s in self.shards]

@@ -7,6 +7,8 @@ Who sends what:
 - Scheduler → worker, every step: ``KvPoolMetadata`` (``build_connector_meta`` → ``bind_connector_metadata``):
   the loads to run (blocks leased on a shard, and where each goes in the KV cache) and the saves to run after the
   forward (which engine blocks, under which keys).
+- Scheduler → replica, once per finished request: ``kvpool.connector.timing.PoolRequestTiming`` (no vLLM import
+  there: the router reads it too).
 - Worker → replica, on request: ``TransferRecord``s (``kvpool.connector.kv_connector.drain_transfer_records``
   through the engine's ``collective_rpc``): one per finished load — bytes, lease and read seconds, how many blocks the
   shard had to promote from SSD — which the replica publishes for the routers' tier calibration.

@@ -18,7 +18,8 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids, the state
   at a chunk end on a block boundary), to be written to the local shard after the forward.
 - ``request_finished[_all_groups](request, ...)`` once per request (finished, aborted — also before it was ever
-  scheduled — or errored): releases its lease. Blocks are never held back (saves are done within the step).
+  scheduled — or errored): releases its lease and hands back what its pool calls cost (``PoolRequestTiming`` in
+  the final output's ``kv_transfer_params``). Blocks are never held back (the saver copies what it writes).
 A shard that does not answer is a miss (lookup) or a failed load (lease) — recomputed, never a failed request.
 A request vLLM asks about again after its load failed completely (no preemption in between) is offered nothing:
 it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
@@ -37,6 +38,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
+from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.connector.pool import PoolShards
 from kvpool.keys import BlockKey, Namespace, chain_keys
 from kvpool.layout import KvLayout
@@ -70,6 +72,10 @@ class _Req:
     leases: list[_Lease] = field(default_factory=list)
     save_from: int | None = None
     loaded_at: int | None = None  # request.num_preemptions when a load was last planned
+    lookups: int = 0  # pool round trips on the scheduler's thread for this request, and their seconds
+    lookup_s: float = 0.0
+    lease_s: float = 0.0
+    loaded_tokens: int = 0
 
 
 @dataclass
@@ -187,6 +193,18 @@ class SchedulerSide:
         assert self.fingerprint is not None
         shards = self._candidates(request)
         self.stats.lookups += 1
+        t0 = time.perf_counter()
+        try:
+            return self._match(request, shards, keys, start, limit, num_computed_tokens)
+        finally:
+            r.lookups += 1
+            r.lookup_s += time.perf_counter() - t0
+
+    def _match(self, request: Any, shards: list[str], keys: list[BlockKey], start: int, limit: int,
+               num_computed_tokens: int) -> tuple[int, bool]:
+        """One parallel lookup over ``shards`` for blocks [start, limit): remember the best match."""
+        assert self.fingerprint is not None
+        bs = self.block_size
         results = self.shards.lookup_many([(s, keys[start:limit]) for s in shards], self.fingerprint,
                                           self.cfg.lookup_deadline_s)
         best_shard, best = "", 0
@@ -242,7 +260,9 @@ class SchedulerSide:
             log.warning("kvpool connector: lease on %s failed: %s", match.shard_id, exc)
             self.shards.forget(match.shard_id)
         lease_s = time.perf_counter() - t0
+        r.lease_s += lease_s
         leased = list(reply.lease.blocks) if reply is not None else []
+        r.loaded_tokens += len(leased[: match.end - match.start]) * bs
         if reply is not None and reply.lease.lease_id:
             r.leases.append(_Lease(match.shard_id, reply.lease.lease_id, self._step))
             self.stats.leases_taken += 1
@@ -352,11 +372,17 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ endings
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Release the request's leases; its blocks are freed at once (saves copy what they need). Returns, for
+        the final output's ``kv_transfer_params``, what the pool calls cost it (``PoolRequestTiming``)."""
         rid = request.request_id
         self._release(rid, "finished")
-        self._reqs.pop(rid, None)
+        r = self._reqs.pop(rid, None)
         self._matches.pop(rid, None)
-        return False, None
+        if r is None or not r.lookups:
+            return False, None
+        timing = PoolRequestTiming(lookups=r.lookups, lookup_s=r.lookup_s, lease_s=r.lease_s,
+                                   loaded_tokens=r.loaded_tokens)
+        return False, to_params(timing)
 
     def _release(self, rid: str, why: str, *, before_step: int | None = None, only: int | None = None) -> None:
         """Release the request's leases (all, those taken before ``before_step``, or the one ``only``)."""

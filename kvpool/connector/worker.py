@@ -12,14 +12,15 @@ vLLM's model runner (one per worker process; in-process engines: the engine-core
   from the owning shard straight into the cache blocks, then a checksum check per pool slot. A block that fails
   (peer dead, deadline, checksum, not leased) is a load error: ``get_block_ids_with_load_errors`` (dense) or the
   whole request in ``failed_recving`` (hybrids, where vLLM cannot take block-level errors); vLLM recomputes.
-- ``wait_for_save`` every step after the forward: one reservation on the local shard for all blocks to save, one
-  transfer write, then ``commit`` with the checksums (the shard verifies them; a block whose write failed simply
-  does not match and is dropped). A failed save is a future miss, never an error.
+- ``wait_for_save`` every step after the forward: copies the blocks to save into the background saver's staging
+  slots and returns (``kvpool.connector.saver``: its thread reserves on the local shard, writes, and commits with
+  the checksums, which the shard verifies). A failed or dropped save is a future miss, never an error or a wait.
 - ``get_transfer_results`` every step: the requests whose load finished this step (failed ones included).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -43,6 +44,7 @@ from kvpool.connector.layout import (
 )
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
 from kvpool.connector.pool import PoolShards
+from kvpool.connector.saver import BlockSaver, SaveStats
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
 
@@ -53,6 +55,8 @@ TRANSFER_RECORDS = 512  # finished loads kept for the replica's calibration repo
 
 @dataclass
 class WorkerStats:
+    """Load counters (the save counters are the saver's ``SaveStats``)."""
+
     loads: int = 0
     load_failures: int = 0
     blocks_loaded: int = 0
@@ -60,13 +64,6 @@ class WorkerStats:
     checksum_failures: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
-    saves: int = 0
-    save_failures: int = 0
-    blocks_committed: int = 0
-    blocks_rejected: int = 0
-    blocks_duplicate: int = 0
-    bytes_written: int = 0
-    write_seconds: float = 0.0
 
 
 def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint:
@@ -99,8 +96,7 @@ class WorkerSide:
         self.stats = WorkerStats()
         self._arrays: list[np.ndarray] = []  # uint8 views of the KV storages (kept alive while registered)
         self._regions: list[int] = []  # endpoint region id per storage index
-        self._zero: np.ndarray | None = None
-        self._zero_region = -1
+        self.saver: BlockSaver | None = None
         self._peer_epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata we hold
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -129,6 +125,11 @@ class WorkerSide:
             arr = u8.numpy()
             self._arrays.append(arr)
             self._regions.append(self.endpoint.register(memoryview(arr)))
+        if self.cfg.save:
+            saver_shards = PoolShards(self.cfg)  # its own clients: the saver's thread shares nothing with loads
+            self.saver = BlockSaver(make_client_endpoint(self.cfg, f"{self.agent_name}-saver"), saver_shards.client,
+                                    saver_shards.forget, slot_bytes=geometry.slot_bytes_needed,
+                                    staging_bytes=self.cfg.save_staging_bytes, deadline_s=self.cfg.save_deadline_s)
 
     def _check_local_slot(self, needed: int) -> None:
         """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""
@@ -256,76 +257,36 @@ class WorkerSide:
         return block_checksum(np.concatenate(parts).data)
 
     def wait_for_save(self) -> None:
+        """Stage this step's new blocks with the background saver (a copy each; the writes happen later on the
+        saver's thread, ``kvpool.connector.saver``). Never waits on the pool."""
         meta = self._meta
-        if meta is None or not meta.saves or self.geometry is None or self.endpoint is None:
+        if meta is None or not meta.saves or self.geometry is None or self.saver is None:
             return
         local = self.shards.local_shard_id()
         if local is None:
             return
         geo = self.geometry
-        items: list[tuple[bytes, dict[int, int], list[GroupSpans]]] = []
+        blocks: list[tuple[bytes, list[np.ndarray]]] = []
         for spec in meta.saves:
-            items += [(k, b, geo.block_groups) for k, b in zip(spec.keys, spec.blocks, strict=True)]
+            for key, ids in zip(spec.keys, spec.blocks, strict=True):
+                blocks.append((key, self._pieces(geo.pieces(geo.block_groups, ids))))
             if spec.state_key is not None and spec.state_block is not None:
-                items.append((spec.state_key, spec.state_block, geo.state_groups))
-        if items:
-            self._save(local, items, meta.fingerprint)
+                blocks.append((spec.state_key, self._pieces(geo.pieces(geo.state_groups, spec.state_block))))
+        if blocks:
+            self.saver.stage(local, meta.fingerprint, blocks)
 
-    def _save(self, shard_id: str, items: list[tuple[bytes, dict[int, int], list[GroupSpans]]],
-              fingerprint: str) -> None:
-        assert self.endpoint is not None and self.geometry is not None
-        self.stats.saves += 1
-        reservation_id = None
-        client = None
-        try:
-            client = self.shards.client(shard_id)
-            reply = client.reserve(len(items))
-            res = reply.reservation
-            reservation_id = res.reservation_id
-            items = items[: len(res.offsets)]
-            if not items:
-                return
-            self._ensure_peer(shard_id, reply.agent_name, reply.epoch)
-            ops: list[BlockOp] = []
-            checksums: list[int] = []
-            for (_, ids, groups), slot_off in zip(items, res.offsets, strict=False):
-                pieces = self.geometry.pieces(groups, ids)
-                payload = sum(p[2] for p in pieces)
-                if payload > res.slot_bytes:
-                    raise LayoutError(f"block of {payload} bytes does not fit {res.slot_bytes}-byte slots")
-                off = slot_off
-                for region, loff, length in pieces:
-                    ops.append(BlockOp(reply.region_id, off, self._regions[region], loff, length))
-                    off += length
-                if res.slot_bytes > payload:
-                    ops.append(BlockOp(reply.region_id, off, self._zeros(res.slot_bytes), 0, res.slot_bytes - payload))
-                checksums.append(self._checksum(pieces, res.slot_bytes))
-            t0 = time.perf_counter()
-            result = self.endpoint.write(reply.agent_name, ops, self.cfg.save_deadline_s)
-            self.stats.write_seconds += time.perf_counter() - t0
-            self.stats.bytes_written += result.bytes_moved
-            commit = client.commit(reservation_id, [k for k, _, _ in items], checksums, fingerprint)
-            reservation_id = None
-            self.stats.blocks_committed += len(commit.committed)
-            self.stats.blocks_rejected += len(commit.rejected)
-            self.stats.blocks_duplicate += len(commit.duplicate)
-        except Exception as exc:  # a failed save is a future miss; the reservation is aborted or expires
-            self.stats.save_failures += 1
-            log.warning("kvpool connector: save of %d block(s) to %s failed: %s", len(items), shard_id, exc)
-            self._peer_epochs.clear()
-            if reservation_id is not None and client is not None:
-                try:
-                    client.abort(reservation_id)
-                except Exception:  # noqa: BLE001 - the reservation expires on its own
-                    pass
+    def _pieces(self, pieces: list[tuple[int, int, int]]) -> list[np.ndarray]:
+        return [self._arrays[region][off : off + length] for region, off, length in pieces]
 
-    def _zeros(self, size: int) -> int:
-        """Region id of a registered zero buffer of at least ``size`` bytes (slot padding)."""
-        assert self.endpoint is not None
-        if self._zero is None or self._zero.size < size:
-            self._zero = np.zeros(size, dtype=np.uint8)
-            self._zero_region = self.endpoint.register(memoryview(self._zero))
-        return self._zero_region
+    def wait_saves(self, deadline_s: float) -> bool:
+        """Wait until the staged saves are written and committed (or failed); False at the deadline."""
+        return self.saver is None or self.saver.wait_idle(deadline_s)
+
+    def stats_dict(self) -> dict[str, Any]:
+        """The load counters and the save counters, one flat dict."""
+        out: dict[str, Any] = dataclasses.asdict(self.stats)
+        out.update(dataclasses.asdict(self.saver.stats if self.saver is not None else SaveStats()))
+        return out
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving incl. failed, failed_recving) since the last call."""
@@ -344,6 +305,9 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self.saver is not None:
+            self.saver.close(self.cfg.save_deadline_s)
+            self.saver = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

@@ -176,6 +176,37 @@ def test_after_dram_to_ssd_demotion(ctx: Ctx, model: str) -> None:
     assert dw["blocks_loaded"] > 0 and dw["load_failures"] == 0
 
 
+@pytest.mark.reuse_correctness
+@pytest.mark.parametrize("model", MODELS)
+def test_the_pool_follows_the_session(ctx: Ctx, model: str) -> None:
+    """A four-turn session (each prompt = the previous prompt, its output, and a new message). Every full block the
+    engine computes is saved, also on top of a prefix it fetched from the pool (turn 2) or held in HBM (turn 3):
+    after an HBM reset each next turn loads every full block of the previous prompt from the pool."""
+    rng = random.Random(5)
+    plain = ctx.engines.get(("plain", model), ctx.spec(model, prefix_caching=False))
+    turns: list[list[int]] = []
+    refs: list[list[int]] = []
+    prompt = [rng.randrange(10, 4000) for _ in range(300)]
+    for _ in range(4):
+        turns.append(prompt)
+        refs.append(generate(plain, [prompt], MAX_TOKENS).tokens[0])
+        prompt = prompt + refs[-1] + [rng.randrange(10, 4000) for _ in range(rng.randint(150, 250))]
+    llm = ctx.engines.get(("session", model), ctx.spec(model),
+                          ctx.pool.config(local="a", model_id=f"e2e-{model}-session"))
+    hits: list[int] = []
+    for i, prompt in enumerate(turns):
+        if i != 2:  # turn 3 finds turn 2's blocks in HBM; the others find only the pool
+            llm.reset_prefix_cache()
+        before = sched_stats(llm)["hit_tokens"]
+        out = generate(llm, [prompt], MAX_TOKENS).tokens[0]
+        hits.append(sched_stats(llm)["hit_tokens"] - before)  # also waits for this turn's saves
+        assert out == refs[i], f"turn {i + 1}"
+    full = [len(p) // BLOCK * BLOCK for p in turns]
+    assert hits[0] == 0 and hits[1] == full[0], (hits, full)  # turn 2 loads all of turn 1's full blocks
+    assert hits[3] == full[2], (hits, full)  # turn 3's blocks, computed on its HBM prefix, were saved
+    assert worker_stats(llm)["blocks_dropped"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- refusal
 @pytest.mark.parametrize("other", ["dtype", "model"])
 def test_other_layout_under_same_model_id_is_never_loaded(ctx: Ctx, other: str) -> None:

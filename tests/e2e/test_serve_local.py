@@ -314,17 +314,33 @@ def test_status_lists_nodes_replicas_shards(server) -> None:
     assert status["decisions"], "recent decisions are listed"
 
 
-def _engine_workers(pid: int) -> list[psutil.Process]:
-    try:
-        return [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM::Worker")]
-    except psutil.NoSuchProcess:
-        return []
+def _process_report(pids: list[int]) -> dict[str, Any]:
+    """What the OS says about these processes, their descendants and every vLLM / Serve replica process on the
+    machine: the evidence a failed placement check needs (name, parent, affinity, the first words of the command)."""
+    def row(proc: psutil.Process) -> Any:
+        try:
+            return {"pid": proc.pid, "ppid": proc.ppid(), "name": proc.name(), "affinity": proc.cpu_affinity(),
+                    "cmd": proc.cmdline()[:3]}
+        except psutil.Error as exc:
+            return {"pid": proc.pid, "error": repr(exc)}
+
+    report: dict[str, Any] = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            report[str(pid)] = [row(proc)] + [row(c) for c in proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            report[str(pid)] = "gone"
+    report["vllm"] = [row(p) for p in psutil.process_iter(["name"])
+                      if (p.info["name"] or "").startswith(("VLLM", "ray::Serve"))]
+    return report
 
 
 def test_replicas_run_on_cores_of_their_own(server) -> None:
-    """The start-up output and the status name each replica's engine cores; two replicas never share one, and each
-    replica's engine worker processes really run there (their CPU affinity, as the OS reports it). Polled: on a
-    loaded machine the status may briefly list a replica whose engine is still starting."""
+    """The start-up output and the status name each replica's engine cores; two replicas never share one; and each
+    replica's engine worker processes — as they report themselves (pid, CPUs), and as the OS shows those pids from
+    outside — run on exactly those cores, in processes of their own (an in-process engine would be unbound).
+    Polled: on a loaded machine the status may briefly list a replica whose engine is still starting."""
     deadline = time.monotonic() + 180
     while True:
         status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
@@ -333,16 +349,18 @@ def test_replicas_run_on_cores_of_their_own(server) -> None:
                    for p in placements.values()), placements
         cores = [c for p in placements.values() for c in p["cores"]]
         assert len(cores) == len(set(cores)) == 2, placements
-        bound = {rid: sorted(tuple(w.cpu_affinity()) for w in _engine_workers(p["pid"]))
-                 for rid, p in placements.items()}
-        if all(bound.values()) or time.monotonic() > deadline:
+        if all(p["engine_workers"] for p in placements.values()) or time.monotonic() > deadline:
             break
         time.sleep(2)
     log = server["log"].read_text()
+    evidence = _process_report([p["pid"] for p in placements.values()])
     for rid, p in placements.items():
         assert f"replica {rid} on " in log and f"bound to cpus {p['cores']}" in log
-        # pool on: no reserved-core accident, each worker on its replica's one core
-        assert bound[rid] == [tuple(p["cores"])], (rid, p, bound)
+        assert p["engine_workers"], (rid, p, evidence)
+        for pid, cpus in p["engine_workers"]:
+            # pool on: no reserved-core accident, each worker on its replica's one core
+            assert pid != p["pid"] and cpus == p["cores"], (rid, p, evidence)
+            assert psutil.Process(pid).cpu_affinity() == p["cores"], (rid, p, evidence)
 
 
 def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> None:

@@ -1,0 +1,222 @@
+"""The connector's background saver: new KV blocks reach the local shard without the forward pass waiting.
+
+Who calls what: ``WorkerSide.wait_for_save`` (vLLM's model runner, after every forward) calls
+``BlockSaver.stage`` with the blocks this step completed. ``stage`` copies their bytes into the saver's own
+staging slots — one memcpy per block, on the model runner's thread; nothing else happens there — because a KV
+cache block may be freed and reused as soon as the step ends (a preempted request's blocks are, at once), so
+nothing may read the cache later. It then queues one job and returns. The saver's thread takes the jobs in order:
+one reservation on the shard, one transfer write from the staging slots (with its *own* transfer endpoint, so it
+never shares state with the loads the model runner's thread runs), one commit with the checksums of the staged
+bytes (the shard verifies them). The reserve and commit calls are deadline-bounded shard calls; the write has
+``save_deadline_s``.
+
+The staging slots are the bound on bytes in flight (``ConnectorConfig.save_staging_bytes``): when none is free,
+the blocks are not saved (``SaveStats.blocks_dropped``) — a future miss, never a wait on the forward path. A failed
+job is a future miss too (``save_failures``); its reservation is aborted or expires. ``wait_idle(deadline_s)``
+(the in-process bench and tests, shutdown) waits until every queued job is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.checksum import block_checksum
+from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    """Counters of the save path (written by the saver's thread; plain ints, read by anyone)."""
+
+    saves: int = 0  # jobs run (one per step that saved something)
+    save_failures: int = 0
+    blocks_staged: int = 0
+    blocks_dropped: int = 0  # no staging slot free: not saved
+    blocks_no_room: int = 0  # the shard reserved fewer slots than asked (DRAM full of pinned blocks): not saved
+    blocks_committed: int = 0
+    blocks_rejected: int = 0
+    blocks_duplicate: int = 0
+    bytes_written: int = 0
+    stage_seconds: float = 0.0  # time on the model runner's thread (the copies)
+    write_seconds: float = 0.0
+    job_seconds: float = 0.0  # reserve + write + commit, on the saver's thread
+    queue_max: int = 0  # most jobs waiting at once
+
+
+@dataclass
+class _Job:
+    shard_id: str
+    fingerprint: str
+    keys: list[bytes]
+    slots: list[int]  # staging slot per key
+    payloads: list[int]  # bytes staged per key
+    staged_at: float = field(default_factory=time.monotonic)
+
+
+_STOP = object()
+
+
+class BlockSaver:
+    """One background thread writing staged blocks to a shard. ``clients(shard_id)`` gives the ``ShardClient``
+    (the saver's own ``PoolShards``), ``endpoint`` is the saver's own transfer endpoint."""
+
+    def __init__(self, endpoint: TransferEndpoint, clients: Callable[[str], Any], forget: Callable[[str], None],
+                 *, slot_bytes: int, staging_bytes: int, deadline_s: float, name: str = "kvpool-saver") -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.n_slots = max(1, staging_bytes // slot_bytes)
+        self.deadline_s = deadline_s
+        self.stats = SaveStats()
+        self._endpoint = endpoint
+        self._clients = clients
+        self._forget = forget
+        self._staging = np.zeros(self.n_slots * slot_bytes, dtype=np.uint8)
+        self._staging_region = endpoint.register(memoryview(self._staging))
+        self._zero: np.ndarray | None = None
+        self._zero_region = -1
+        self._peer_epochs: dict[str, str] = {}
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0  # jobs queued or running
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ model runner's thread
+    def stage(self, shard_id: str, fingerprint: str, blocks: list[tuple[bytes, list[np.ndarray]]]) -> int:
+        """Copy each block (its key and the byte pieces that make it up, in order) into a free staging slot and
+        queue them; blocks beyond the free slots are dropped. Returns how many were staged. Never waits."""
+        t0 = time.perf_counter()
+        payloads = [sum(piece.nbytes for piece in pieces) for _, pieces in blocks]
+        if any(p > self.slot_bytes for p in payloads):
+            raise ValueError(f"a block of {max(payloads)} bytes does not fit a staging slot of {self.slot_bytes}")
+        with self._lock:
+            take = min(len(blocks), len(self._free))
+            slots = [self._free.pop() for _ in range(take)]
+        self.stats.blocks_dropped += len(blocks) - take
+        if not take:
+            return 0
+        keys = []
+        for (key, pieces), slot in zip(blocks, slots, strict=False):
+            off = slot * self.slot_bytes
+            for piece in pieces:
+                self._staging[off : off + piece.nbytes] = piece
+                off += piece.nbytes
+            keys.append(key)
+        payloads = payloads[:take]
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(_Job(shard_id, fingerprint, keys, slots, payloads))
+        self.stats.blocks_staged += take
+        self.stats.stage_seconds += time.perf_counter() - t0
+        self.stats.queue_max = max(self.stats.queue_max, self._jobs.qsize())
+        return take
+
+    def wait_idle(self, deadline_s: float) -> bool:
+        """Wait until every queued job is done; False if some are still running at the deadline."""
+        end = time.monotonic() + deadline_s
+        with self._idle:
+            while self._pending:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, deadline_s: float = 5.0) -> None:
+        """Finish the queued jobs (within ``deadline_s``), stop the thread, close the endpoint."""
+        self.wait_idle(deadline_s)
+        self._jobs.put(_STOP)
+        self._thread.join(timeout=deadline_s)
+        self._endpoint.close()
+
+    # ------------------------------------------------------------------ saver's thread
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._write(job)
+            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an error
+                self.stats.save_failures += 1
+                log.warning("kvpool connector: save of %d block(s) to %s failed: %s", len(job.keys), job.shard_id,
+                            exc)
+            finally:
+                self.stats.saves += 1
+                self.stats.job_seconds += time.perf_counter() - t0
+                with self._idle:
+                    self._free.extend(job.slots)
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
+        if self._peer_epochs.get(agent_name) == epoch:
+            return
+        self._endpoint.add_peer(decode_metadata(self._clients(shard_id).transfer_metadata()))
+        self._peer_epochs[agent_name] = epoch
+
+    def _zeros(self, size: int) -> int:
+        """Region id of a registered zero buffer of at least ``size`` bytes (slot padding)."""
+        if self._zero is None or self._zero.size < size:
+            self._zero = np.zeros(size, dtype=np.uint8)
+            self._zero_region = self._endpoint.register(memoryview(self._zero))
+        return self._zero_region
+
+    def _write(self, job: _Job) -> None:
+        client = self._clients(job.shard_id)
+        reservation_id: int | None = None
+        try:
+            reply = client.reserve(len(job.keys))
+            res = reply.reservation
+            reservation_id = res.reservation_id
+            n = min(len(job.keys), len(res.offsets))
+            self.stats.blocks_no_room += len(job.keys) - n
+            if not n:
+                return
+            self._ensure_peer(job.shard_id, reply.agent_name, reply.epoch)
+            ops: list[BlockOp] = []
+            checksums: list[int] = []
+            for slot, payload, remote_off in zip(job.slots[:n], job.payloads[:n], res.offsets[:n], strict=True):
+                if payload > res.slot_bytes:
+                    raise ValueError(f"block of {payload} bytes does not fit {res.slot_bytes}-byte shard slots")
+                local = slot * self.slot_bytes
+                ops.append(BlockOp(reply.region_id, remote_off, self._staging_region, local, payload))
+                staged = self._staging[local : local + payload]
+                if res.slot_bytes > payload:
+                    pad = res.slot_bytes - payload
+                    ops.append(BlockOp(reply.region_id, remote_off + payload, self._zeros(pad), 0, pad))
+                    staged = np.concatenate([staged, np.zeros(pad, dtype=np.uint8)])
+                checksums.append(block_checksum(staged.data))
+            t0 = time.perf_counter()
+            result = self._endpoint.write(reply.agent_name, ops, self.deadline_s)
+            self.stats.write_seconds += time.perf_counter() - t0
+            self.stats.bytes_written += result.bytes_moved
+            commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint)
+            reservation_id = None
+            self.stats.blocks_committed += len(commit.committed)
+            self.stats.blocks_rejected += len(commit.rejected)
+            self.stats.blocks_duplicate += len(commit.duplicate)
+        except Exception:
+            self._peer_epochs.clear()
+            self._forget(job.shard_id)
+            raise
+        finally:
+            if reservation_id is not None:
+                try:
+                    client.abort(reservation_id)
+                except Exception:  # noqa: BLE001 - the reservation expires on its own
+                    pass

@@ -1,0 +1,121 @@
+"""The connector's background saver (``kvpool.connector.saver.BlockSaver``): the model runner's thread only copies;
+the saver's thread reserves, writes and commits; a frozen or dead shard costs the forward path nothing.
+
+The shard is the saver's neighbour: ``tests.fakes.shard.StoreShardClient``, a real ``BlockStore`` (which verifies
+every checksum at commit) behind the loopback transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from kvpool.connector.saver import BlockSaver
+from kvpool.store import BlockStore, StoreConfig
+from tests.fakes.shard import StoreShardClient
+from tests.fakes.transfer import LoopbackEndpoint, LoopbackFabric
+
+SLOT = 4096  # the shard's slots
+BLOCK = 3000  # a block's payload: two pieces (say K and V), padded with zeros up to the slot
+FP = "layout-fp"
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(f"block-{i}".encode(), digest_size=16).digest()
+
+
+def block(i: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(i)
+    data = rng.integers(0, 256, BLOCK, dtype=np.uint8)
+    return [data[:1000], data[1000:]]
+
+
+@pytest.fixture
+def rig():
+    fabric = LoopbackFabric()
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
+    shard = StoreShardClient(store, fabric)
+    forgotten: list[str] = []
+    saver = BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: shard, forgotten.append,
+                       slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0)
+    yield saver, shard, store, forgotten
+    shard.release()
+    saver.close()
+
+
+def saved_bytes(store: BlockStore, i: int) -> bytes | None:
+    return store.read_block(key(i), FP)
+
+
+def test_staged_blocks_are_committed_with_their_bytes_and_padding(rig) -> None:
+    saver, _, store, _ = rig
+    assert saver.stage("local", FP, [(key(i), block(i)) for i in range(3)]) == 3
+    assert saver.wait_idle(10)
+    for i in range(3):
+        expected = np.concatenate(block(i)).tobytes() + bytes(SLOT - BLOCK)
+        assert saved_bytes(store, i) == expected
+    assert saver.stats.blocks_committed == 3 and saver.stats.save_failures == 0
+    assert saver.stats.blocks_rejected == 0  # the store recomputed every checksum
+
+
+def test_the_cache_may_change_right_after_stage(rig) -> None:
+    """Blocks are copied at ``stage``: a KV cache block reused the moment the step ends (a preempted request's)
+    never changes what is saved under its key."""
+    saver, shard, store, _ = rig
+    shard.hold.set()  # the write happens after the cache changed
+    pieces = block(7)
+    original = np.concatenate(pieces).tobytes()
+    saver.stage("local", FP, [(key(7), pieces)])
+    for p in pieces:
+        p[:] = 0
+    shard.release()
+    assert saver.wait_idle(10)
+    assert saved_bytes(store, 7) == original + bytes(SLOT - BLOCK)
+
+
+def test_a_frozen_shard_never_blocks_stage_and_a_full_staging_drops(rig) -> None:
+    saver, shard, store, _ = rig
+    shard.hold.set()  # reserve waits: the saver's thread is stuck, the caller's is not
+    assert saver.stage("local", FP, [(key(0), block(0)), (key(1), block(1))]) == 2
+    assert saver.stage("local", FP, [(key(i), block(i)) for i in range(2, 6)]) == 2  # 4 staging slots in all
+    assert saver.stats.blocks_dropped == 2
+    assert not saver.wait_idle(0.2)  # still in flight
+    shard.release()
+    assert saver.wait_idle(10)
+    assert [saved_bytes(store, i) is not None for i in range(6)] == [True] * 4 + [False] * 2
+    assert saver.stage("local", FP, [(key(9), block(9))]) == 1  # the slots came back
+    assert saver.wait_idle(10) and saved_bytes(store, 9) is not None
+
+
+def test_a_dead_shard_is_a_counted_failure_and_the_slots_come_back(rig) -> None:
+    saver, shard, store, forgotten = rig
+    shard.fail = True
+    assert saver.stage("local", FP, [(key(i), block(i)) for i in range(4)]) == 4
+    assert saver.wait_idle(10)
+    assert saver.stats.save_failures == 1 and saver.stats.blocks_committed == 0
+    assert forgotten == ["local"]  # the client is looked up again next time
+    shard.fail = False
+    assert saver.stage("local", FP, [(key(i), block(i)) for i in range(4)]) == 4
+    assert saver.wait_idle(10) and saver.stats.blocks_committed == 4
+
+
+def test_a_shard_with_fewer_free_slots_saves_the_leading_blocks() -> None:
+    fabric = LoopbackFabric()
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=2), shard_id="small")
+    shard = StoreShardClient(store, fabric)
+    saver = BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: shard, lambda sid: None,
+                       slot_bytes=BLOCK, staging_bytes=8 * BLOCK, deadline_s=5.0)
+    try:
+        saver.stage("small", FP, [(key(i), block(i)) for i in range(3)])
+        assert saver.wait_idle(10)
+        assert [saved_bytes(store, i) is not None for i in range(3)] == [True, True, False]
+    finally:
+        saver.close()
+
+
+def test_a_block_larger_than_a_staging_slot_is_refused(rig) -> None:
+    saver, *_ = rig
+    with pytest.raises(ValueError, match="does not fit a staging slot"):
+        saver.stage("local", FP, [(key(0), [np.zeros(BLOCK + 1, dtype=np.uint8)])])

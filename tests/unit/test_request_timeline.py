@@ -1,0 +1,63 @@
+"""Per-request timelines: the replica's offsets from vLLM's engine-core timestamps, the connector's pool timing through
+``kv_transfer_params``, and the ingress joining them into the decision record and the stage histogram.
+
+The real ``LiveView`` and policy (no Ray: the hub reply is built here), the real wire structs.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from deployments.replica import request_timeline
+from kvpool.connector.timing import TIMING_PARAM, PoolRequestTiming, from_params, to_params
+from router.decision import DecisionRecord
+from router.hub import PollReply, ReplicaReport
+from router.wire import GenerateChunk, ReplicaTimeline
+from tests.unit.test_live_calibration import make_view
+
+
+def test_replica_timeline_is_offsets_from_receipt_and_marks_missing_steps() -> None:
+    received = time.monotonic() - 1.0
+    stats = SimpleNamespace(queued_ts=received + 0.1, scheduled_ts=received + 0.3, first_token_ts=received + 0.8)
+    t = request_timeline(stats, received, plan_s=0.05)
+    assert (t.plan_s, t.queued_s, t.scheduled_s, t.first_token_s) == pytest.approx((0.05, 0.1, 0.3, 0.8))
+    assert t.first_chunk_s >= 1.0
+    none = request_timeline(None, received, plan_s=0.0)  # vLLM without stats: the steps are unknown, not zero
+    assert (none.queued_s, none.scheduled_s, none.first_token_s) == (-1.0, -1.0, -1.0)
+
+
+def test_pool_timing_round_trips_through_kv_transfer_params() -> None:
+    timing = PoolRequestTiming(lookups=2, lookup_s=0.004, lease_s=0.002, loaded_tokens=256)
+    params = to_params(timing)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == params  # plain builtins, as vLLM ships them
+    assert from_params(params) == timing
+    assert from_params(None) is None and from_params({"other": 1}) is None
+    assert from_params({TIMING_PARAM: {"lookups": "many"}}) is None  # not ours: ignored, never an error
+
+
+def test_the_ingress_joins_both_into_the_decision_record_and_the_stage_metrics() -> None:
+    view = make_view()
+    view.apply(PollReply(cursor=1, reports=[ReplicaReport(replica_id="r1", node_id="node-a", seq=1, running=0,
+                                                          waiting=0)]))
+    routed, _ = view.decide("req-1", list(range(100)))
+    assert isinstance(routed.record, DecisionRecord)
+    replica = ReplicaTimeline(plan_s=0.01, queued_s=0.02, scheduled_s=0.12, first_token_s=0.52, first_chunk_s=0.55)
+    view.record_first_token(routed, 0.7, GenerateChunk(token_ids=[1], prompt_tokens=100, replica_id="r1",
+                                                       timeline=replica), ingress_s=0.05)
+    view.record_pool_timing(routed, PoolRequestTiming(lookups=1, lookup_s=0.03, lease_s=0.0))
+    record = view.audit.get("req-1")
+    assert record is not None and record.timeline is not None
+    stages = record.timeline.stages()
+    assert stages["ingress"] == pytest.approx(0.05) and stages["transport"] == pytest.approx(0.10)
+    assert stages["engine_wait"] == pytest.approx(0.10) and stages["prefill"] == pytest.approx(0.40)
+    assert stages["pool_lookup"] == pytest.approx(0.03)
+    decoded = msgspec.json.decode(view.audit.to_json(), type=list[DecisionRecord])[0]
+    assert decoded.timeline == record.timeline  # /kvstack/decisions carries it
+    labels = {"policy": record.policy, "action": str(record.action), "stage": "prefill"}
+    assert view.registry.get_sample_value("kvstack_router_request_stage_seconds_count", labels) == 1
+    labels["stage"] = "pool_lookup"
+    assert view.registry.get_sample_value("kvstack_router_request_stage_seconds_count", labels) == 1
