@@ -39,6 +39,9 @@ LOCAL_CLUSTER_ENV = {
     "UCX_NET_DEVICES": "lo",
     "OMP_NUM_THREADS": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    # Ray starts worker processes at nice 15, and the vLLM engines are workers: at nice 15 every nice-0 process on
+    # their cores (GCS, raylet, dashboard) preempts their compute (measured: first-turn prefill 7.1-7.9 s -> 5.7 s).
+    "RAY_worker_niceness": "0",
 }
 
 

@@ -57,7 +57,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_ttl_s: float = 120.0
     transfer_deadline_s: float = 10.0
     save_deadline_s: float = 10.0
-    save_staging_bytes: int = 64 << 20
+    save_staging_bytes: int = 256 << 20  # np.zeros: pages are touched only as slots are used
     load: bool = True
     save: bool = True
 
