@@ -181,7 +181,8 @@ def test_after_dram_to_ssd_demotion(ctx: Ctx, model: str) -> None:
 def test_the_pool_follows_the_session(ctx: Ctx, model: str) -> None:
     """A four-turn session (each prompt = the previous prompt, its output, and a new message). Every full block the
     engine computes is saved, also on top of a prefix it fetched from the pool (turn 2) or held in HBM (turn 3):
-    after an HBM reset each next turn loads every full block of the previous prompt from the pool."""
+    after an HBM reset each next turn loads every full block of the previous prompt from the pool. Every output equals
+    plain vLLM's (without reuse, or replaying the session with its prefix cache: the same compute split)."""
     rng = random.Random(5)
     plain = ctx.engines.get(("plain", model), ctx.spec(model, prefix_caching=False))
     turns: list[list[int]] = []
@@ -194,13 +195,20 @@ def test_the_pool_follows_the_session(ctx: Ctx, model: str) -> None:
     llm = ctx.engines.get(("session", model), ctx.spec(model),
                           ctx.pool.config(local="a", model_id=f"e2e-{model}-session"))
     hits: list[int] = []
+    outs: list[list[int]] = []
     for i, prompt in enumerate(turns):
         if i != 2:  # turn 3 finds turn 2's blocks in HBM; the others find only the pool
             llm.reset_prefix_cache()
         before = sched_stats(llm)["hit_tokens"]
-        out = generate(llm, [prompt], MAX_TOKENS).tokens[0]
+        outs.append(generate(llm, [prompt], MAX_TOKENS).tokens[0])
         hits.append(sched_stats(llm)["hit_tokens"] - before)  # also waits for this turn's saves
-        assert out == refs[i], f"turn {i + 1}"
+    differing = [i for i in range(4) if outs[i] != refs[i]]
+    if differing:
+        # Reuse computes a turn in another split than a full prefill (bf16 rounds differently): such a turn must
+        # equal plain vLLM replaying the session with its own prefix cache (the same blocks, computed the same way).
+        replay = ctx.engines.get(("plain-session", model), ctx.spec(model))
+        again = [generate(replay, [p], MAX_TOKENS).tokens[0] for p in turns]
+        assert all(outs[i] == again[i] for i in differing), (differing, outs, refs, again)
     full = [len(p) // BLOCK * BLOCK for p in turns]
     assert hits[0] == 0 and hits[1] == full[0], (hits, full)  # turn 2 loads all of turn 1's full blocks
     assert hits[3] == full[2], (hits, full)  # turn 3's blocks, computed on its HBM prefix, were saved
