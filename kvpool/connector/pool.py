@@ -5,6 +5,7 @@ reserve / commit / abort of saves) each own one ``PoolShards``. Every call goes 
 (typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip
 (``kvpool.shard.client.lookup_many``). A shard that does
 not answer is a miss on the read path (``ShardUnavailableError`` is caught by the callers), never a crash.
+``KnownPeers`` is the worker role's (and its saver's) record of which shards' transfer metadata an endpoint holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,32 @@ from kvpool.connector.config import ConnectorConfig, ShardRef
 log = logging.getLogger(__name__)
 
 REDISCOVER_S = 10.0  # at most one registry listing per this many seconds
+
+
+class KnownPeers:
+    """The shard agents whose transfer metadata ``endpoint`` holds, by the shard epoch it came from: ``ensure`` fetches
+    and adds a shard's metadata only when it has none of that epoch (first contact, the shard restarted, or a
+    failure made the caller ``forget`` it). One per endpoint, used from one thread."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+        self._epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata the endpoint holds
+
+    def ensure(self, agent_name: str, epoch: str, fetch_metadata: Any) -> None:
+        """Trust the shard's current transfer metadata; ``fetch_metadata()`` returns its encoded metadata."""
+        if self._epochs.get(agent_name) == epoch:
+            return
+        from kvpool.transfer.base import decode_metadata
+
+        self._endpoint.add_peer(decode_metadata(fetch_metadata()))
+        self._epochs[agent_name] = epoch
+
+    def forget(self, agent_name: str | None = None) -> None:
+        """Refetch the metadata of ``agent_name`` (of every shard when None) on the next ``ensure``."""
+        if agent_name is None:
+            self._epochs.clear()
+        else:
+            self._epochs.pop(agent_name, None)
 
 
 class PoolShards:

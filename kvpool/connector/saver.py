@@ -23,13 +23,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvpool.checksum import block_checksum
-from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
+from kvpool.checksum import slot_checksum
+from kvpool.connector.pool import KnownPeers
+from kvpool.transfer.base import BlockOp, TransferEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,6 @@ class _Job:
     keys: list[bytes]
     slots: list[int]  # staging slot per key
     payloads: list[int]  # bytes staged per key
-    staged_at: float = field(default_factory=time.monotonic)
 
 
 _STOP = object()
@@ -85,7 +85,7 @@ class BlockSaver:
         self._staging_region = endpoint.register(memoryview(self._staging))
         self._zero: np.ndarray | None = None
         self._zero_region = -1
-        self._peer_epochs: dict[str, str] = {}
+        self._peers = KnownPeers(endpoint)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -163,12 +163,6 @@ class BlockSaver:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
-        if self._peer_epochs.get(agent_name) == epoch:
-            return
-        self._endpoint.add_peer(decode_metadata(self._clients(shard_id).transfer_metadata()))
-        self._peer_epochs[agent_name] = epoch
-
     def _zeros(self, size: int) -> int:
         """Region id of a registered zero buffer of at least ``size`` bytes (slot padding)."""
         if self._zero is None or self._zero.size < size:
@@ -187,7 +181,7 @@ class BlockSaver:
             self.stats.blocks_no_room += len(job.keys) - n
             if not n:
                 return
-            self._ensure_peer(job.shard_id, reply.agent_name, reply.epoch)
+            self._peers.ensure(reply.agent_name, reply.epoch, client.transfer_metadata)
             ops: list[BlockOp] = []
             checksums: list[int] = []
             for slot, payload, remote_off in zip(job.slots[:n], job.payloads[:n], res.offsets[:n], strict=True):
@@ -195,12 +189,10 @@ class BlockSaver:
                     raise ValueError(f"block of {payload} bytes does not fit {res.slot_bytes}-byte shard slots")
                 local = slot * self.slot_bytes
                 ops.append(BlockOp(reply.region_id, remote_off, self._staging_region, local, payload))
-                staged = self._staging[local : local + payload]
                 if res.slot_bytes > payload:
                     pad = res.slot_bytes - payload
                     ops.append(BlockOp(reply.region_id, remote_off + payload, self._zeros(pad), 0, pad))
-                    staged = np.concatenate([staged, np.zeros(pad, dtype=np.uint8)])
-                checksums.append(block_checksum(staged.data))
+                checksums.append(slot_checksum([self._staging[local : local + payload]], res.slot_bytes))
             t0 = time.perf_counter()
             result = self._endpoint.write(reply.agent_name, ops, self.deadline_s)
             self.stats.write_seconds += time.perf_counter() - t0
@@ -211,7 +203,7 @@ class BlockSaver:
             self.stats.blocks_rejected += len(commit.rejected)
             self.stats.blocks_duplicate += len(commit.duplicate)
         except Exception:
-            self._peer_epochs.clear()
+            self._peers.forget()
             self._forget(job.shard_id)
             raise
         finally:

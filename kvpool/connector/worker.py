@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvpool.checksum import block_checksum
+from kvpool.checksum import slot_checksum
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.layout import (
     GroupSpans,
@@ -43,10 +43,10 @@ from kvpool.connector.layout import (
     tensor_info,
 )
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
-from kvpool.connector.pool import PoolShards
+from kvpool.connector.pool import KnownPeers, PoolShards
 from kvpool.connector.saver import BlockSaver, SaveStats
 from kvpool.layout import KvLayout, LayoutError
-from kvpool.transfer.base import BlockOp, TransferEndpoint, decode_metadata
+from kvpool.transfer.base import BlockOp, TransferEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class WorkerSide:
         self._arrays: list[np.ndarray] = []  # uint8 views of the KV storages (kept alive while registered)
         self._regions: list[int] = []  # endpoint region id per storage index
         self.saver: BlockSaver | None = None
-        self._peer_epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata we hold
+        self.peers: KnownPeers | None = None  # the shards whose transfer metadata ``endpoint`` holds
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
@@ -117,6 +117,7 @@ class WorkerSide:
             return
         self._check_local_slot(geometry.slot_bytes_needed)
         self.endpoint = make_client_endpoint(self.cfg, self.agent_name)
+        self.peers = KnownPeers(self.endpoint)
         by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
         for ptr, nbytes in storages:
             storage = by_ptr[ptr].untyped_storage()
@@ -169,12 +170,8 @@ class WorkerSide:
 
     def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
         """Trust the shard's current transfer metadata (refetched when the shard restarted)."""
-        assert self.endpoint is not None
-        if self._peer_epochs.get(agent_name) == epoch:
-            return
-        meta = decode_metadata(self.shards.client(shard_id).transfer_metadata())
-        self.endpoint.add_peer(meta)
-        self._peer_epochs[agent_name] = epoch
+        assert self.peers is not None
+        self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id).transfer_metadata())
 
     def _load(self, spec: LoadSpec) -> None:
         geo = self.geometry
@@ -238,7 +235,8 @@ class WorkerSide:
                 failed.update(owner[i] for i in result.failed)
             except Exception as exc:  # peer metadata unavailable, shard dead: every block of this load failed
                 log.warning("kvpool connector: read from %s failed: %s", spec.shard_id, exc)
-                self._peer_epochs.pop(spec.agent_name, None)
+                if self.peers is not None:
+                    self.peers.forget(spec.agent_name)
                 self.shards.forget(spec.shard_id)
                 return set(range(len(items))), 0, 0.0
         for idx, (blk, groups) in enumerate(items):
@@ -250,11 +248,7 @@ class WorkerSide:
         return failed, moved, read_s
 
     def _checksum(self, pieces: list[tuple[int, int, int]], slot_bytes: int) -> int:
-        parts = [self._arrays[region][off : off + length] for region, off, length in pieces]
-        payload = sum(length for _, _, length in pieces)
-        if slot_bytes > payload:
-            parts.append(np.zeros(slot_bytes - payload, dtype=np.uint8))
-        return block_checksum(np.concatenate(parts).data)
+        return slot_checksum(self._pieces(pieces), slot_bytes)
 
     def wait_for_save(self) -> None:
         """Stage this step's new blocks with the background saver (a copy each; the writes happen later on the

@@ -119,3 +119,13 @@ def test_a_block_larger_than_a_staging_slot_is_refused(rig) -> None:
     saver, *_ = rig
     with pytest.raises(ValueError, match="does not fit a staging slot"):
         saver.stage("local", FP, [(key(0), [np.zeros(BLOCK + 1, dtype=np.uint8)])])
+
+
+def test_slot_checksum_equals_the_checksum_of_the_padded_slot() -> None:
+    from kvpool.checksum import block_checksum, slot_checksum
+
+    pieces = block(3)
+    padded = np.concatenate([*pieces, np.zeros(SLOT - BLOCK, dtype=np.uint8)])
+    assert slot_checksum(pieces, SLOT) == block_checksum(padded.data)
+    assert slot_checksum(pieces, BLOCK) == block_checksum(np.concatenate(pieces).data)  # no padding
+    assert slot_checksum(pieces, SLOT) != slot_checksum(pieces[::-1], SLOT)  # the order counts
