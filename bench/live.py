@@ -131,7 +131,7 @@ def build_result(kind: str, label: str, endpoint: str, model: str, config: dict[
         "placement": replica_placement(endpoint),
     }
     if save_requests:
-        result["request_log"] = [r.to_json() for r in run.records]
+        result["request_log"] = [{**r.to_json(), "text": r.text} for r in run.records]  # texts: output comparisons
     return result
 
 

@@ -1,24 +1,28 @@
-"""Live policy comparison: one fresh ``kvstack serve`` per policy, the same ``kvstack bench agent`` run against each.
+"""Live comparison: one fresh server per configuration, the same ``kvstack bench agent`` run against each.
 
-    flock /tmp/kvstack-heavy.lock timeout -k 300 2400 .venv/bin/python -m bench.live_compare \\
+    flock /tmp/kvstack-heavy.lock timeout -k 300 4800 .venv/bin/python -m bench.live_compare \\
         --out bench/reports/live_agent_compare
     .venv/bin/python -m bench.live_compare --dry-run     # validate the config, size the prompts; starts nothing
 
-Per policy (default round_robin, prefix_affinity, cost_based, in that order): start ``kvstack serve --policy P``
-on a free port with the heavy tiny model (``--serve-set`` overrides; fresh SSD dir and state file under
-``--work-dir``), wait for "is serving" (bounded), send a few unrelated warm-up requests and reset the replicas'
-prefix caches, run ``kvstack bench agent`` as a subprocess (bounded) with ``--save-requests``, save the run's
-``/kvstack/decisions`` records, SIGTERM the server and wait for it to exit (bounded; then SIGKILL of its own
-process group), check that no process of its session is left, and remove its SSD dir (~1 GiB per shard). Then
-aggregate: TTFT p50/p90/p99 per policy (finished requests, and also with the requests cancelled at the deadline
-after their first token), ``--subject`` / other ratios of p50 and p99 with bootstrap 95% intervals (requests
-resampled), decisions by action and hit tokens by tier (the router's ``/metrics`` deltas the agent bench
-recorded), requests per replica from the decision audit. Writes ``report.md``, ``results.json`` and the plots
-(kept only under 200 KB) into ``--out``; raw per-policy results and server logs stay under ``--work-dir``;
-``--from-work-dir`` re-renders a report from them.
+Configurations (``--configs``, default ``ray_serve_llm,prefix_affinity-nopool,round_robin,cost_based``):
+``ray_serve_llm`` is Ray Serve LLM's own OpenAI app with its ``PrefixCacheAffinityRouter`` over the same engine
+arguments (``bench.ray_serve_llm``: the anchor a user would pick instead); ``POLICY`` is ``kvstack serve --policy
+POLICY`` with the KV pool; ``POLICY-nopool`` the same with the pool off. Each runs ``--repeats`` times (default 2),
+interleaved: the first round in the given order, the second reversed. Per run: start the server on a free port
+with the heavy tiny model (``--serve-set`` overrides, applied to every configuration; fresh SSD dir and state file
+under ``--work-dir``), wait for "is serving" (bounded), send a few unrelated warm-up requests and (kvstack) reset
+the replicas' prefix caches, run ``kvstack bench agent`` as a subprocess (bounded) with ``--save-requests``, save
+the run's ``/kvstack/decisions`` records (kvstack), SIGTERM the server and wait for it to exit (bounded; then
+SIGKILL of its own process group), check that no process of its session is left, and remove its SSD dir (~1 GiB
+per shard). Then aggregate: TTFT p50/p90/p99 per run and per configuration (its runs pooled), ``--subject`` /
+other ratios of p50 and p99 with bootstrap 95% intervals (requests resampled), decisions by action and hit tokens
+by tier (the router's ``/metrics`` deltas the agent bench recorded), requests per replica from the decision audit,
+and the greedy outputs of every run against the first run's (same session, turn and prompt length). Writes
+``report.md``, ``results.json`` and the plots (kept only under 200 KB) into ``--out``; raw per-run results and
+server logs stay under ``--work-dir``; ``--from-work-dir`` re-renders a report from them.
 
-Called by hand (the issue-7 live check); ``configure``/``run`` follow the ``kvstack`` command convention so the
-lead can wire it as a CLI row. Every wait has a deadline; SIGTERM/SIGINT of this process stops the running server.
+Called by hand or as ``kvstack bench live-compare`` (issue 13's live check). Every wait has a deadline;
+SIGTERM/SIGINT of this process stops the running server.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICIES = "round_robin,prefix_affinity,cost_based"
+ANCHOR = "ray_serve_llm"  # Ray Serve LLM's own app and prefix-affinity router over the same engine (bench.ray_serve_llm)
+NO_POOL = "-nopool"  # a configuration POLICY-nopool: kvstack with that policy and the pool off
+DEFAULT_POLICIES = f"{ANCHOR},prefix_affinity{NO_POOL},round_robin,cost_based"
 HEAVY_MODEL = "tiny-qwen3-heavy"
 DEFAULT_SERVE_SET = (
     "tiny_model.preset=heavy",
@@ -97,7 +103,12 @@ class Interrupted(BaseException):
 def configure(parser: argparse.ArgumentParser) -> None:
     from bench.agent_cli import add_workload_args
 
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated, run in this order")
+    parser.add_argument("--configs", "--policies", dest="policies", default=DEFAULT_POLICIES,
+                        help=f"comma-separated configurations, run in this order: {ANCHOR} (Ray Serve LLM), a kvstack "
+                             f"routing policy (pool on), or POLICY{NO_POOL} (pool off)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="run every configuration this many times, interleaved: odd rounds in the given order, "
+                             "even rounds reversed")
     parser.add_argument("--subject", default="cost_based", help="ratios are subject / each other policy")
     parser.add_argument("--out", type=Path, default=REPO / "bench/reports/live_agent_compare",
                         help="report directory (report.md, results.json, small PNGs)")
@@ -124,18 +135,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------- processes
-def serve_command(policy: str, port: int, serve_set: list[str], work: Path) -> list[str]:
-    """``kvstack serve`` for one policy on ``port``, its state file and SSD dir under ``work``."""
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", policy, "--port", str(port),
-           "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}",
-           "--log-dir", str(work / "logs")]
+def serve_command(config: str, port: int, serve_set: list[str], work: Path) -> list[str]:
+    """The server of one configuration on ``port``: Ray Serve LLM's app (``ANCHOR``) or ``kvstack serve`` with the
+    policy (and ``-nopool``: the pool off), its state file and SSD dir under ``work``. Both print "is serving"."""
+    if config == ANCHOR:
+        cmd = [sys.executable, "-m", "bench.ray_serve_llm", "--port", str(port)]
+    else:
+        policy = config.removesuffix(NO_POOL)
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", policy, "--port", str(port),
+               "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}",
+               "--log-dir", str(work / "logs")]
+        if config.endswith(NO_POOL):
+            cmd += ["--set", "app.pool.enabled=false"]
     for item in serve_set:
         cmd += ["--set", item]
     return cmd
 
 
-def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
-    """``n`` unrelated requests (two at a time, so both replicas see some), then drop every replica's HBM cache."""
+def is_kvstack(config: str) -> bool:
+    return config != ANCHOR
+
+
+def run_order(configs: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, configuration) in run order: round 1 as given, round 2 reversed, and so on (interleaved, so a drift
+    of the machine's speed does not favour one configuration)."""
+    out: list[tuple[int, str]] = []
+    for r in range(repeats):
+        out += [(r + 1, c) for c in (configs if r % 2 == 0 else configs[::-1])]
+    return out
+
+
+def warm_up(endpoint: str, model: str, n: int, *, reset: bool = True) -> dict[str, Any]:
+    """``n`` unrelated requests (two at a time, so both replicas see some), then (``reset``: kvstack) drop every
+    replica's HBM cache."""
     import concurrent.futures
 
     import httpx
@@ -150,6 +182,8 @@ def warm_up(endpoint: str, model: str, n: int) -> dict[str, Any]:
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         times = list(pool.map(one, range(n)))
+    if not reset:
+        return {"requests": n, "seconds": times, "prefix_cache_reset_ok": None}
     reset = httpx.post(endpoint[: -len("/v1")] + "/kvstack/admin/reset_prefix_cache", timeout=120)
     ok = reset.status_code == 200 and all(r.get("ok") for r in reset.json())
     return {"requests": n, "seconds": times, "prefix_cache_reset_ok": ok}
@@ -196,26 +230,27 @@ def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -
     return argv
 
 
-def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str) -> dict[str, Any]:
-    """Serve, warm up, bench, stop — for one policy. Returns its entry for results.json (``error`` on failure)."""
+def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str,
+               repeat: int = 1) -> dict[str, Any]:
+    """Serve, warm up, bench, stop — for one configuration. Returns its entry for results.json (``error`` on
+    failure)."""
     import psutil
 
-    pdir = work / policy
+    pdir = work / (policy if repeat == 1 else f"{policy}#{repeat}")
     pdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}/v1"
     serve_log = pdir / "serve.log"
-    server = ServerProcess(f"kvstack serve ({policy})", serve_command(policy, port, serve_set, pdir), serve_log,
-                           cwd=REPO)
-    entry: dict[str, Any] = {"policy": policy, "load_avg_before": list(os.getloadavg())}
+    server = ServerProcess(f"{policy} #{repeat}", serve_command(policy, port, serve_set, pdir), serve_log, cwd=REPO)
+    entry: dict[str, Any] = {"policy": policy, "repeat": repeat, "load_avg_before": list(os.getloadavg())}
     pids_before = set(psutil.pids())
     t0 = time.monotonic()
     try:
-        print(f"[live-compare] {policy}: starting kvstack serve on :{port}", file=sys.stderr, flush=True)
+        print(f"[live-compare] {policy} #{repeat}: starting on :{port}", file=sys.stderr, flush=True)
         server.start()
         server.wait_ready(log_contains(serve_log, "is serving"), args.ready_timeout_s)
         print(f"[live-compare] {policy}: serving after {server.ready_s:.0f} s; warming up", file=sys.stderr, flush=True)
-        entry["warmup"] = warm_up(endpoint, model, args.warmup_requests)
+        entry["warmup"] = warm_up(endpoint, model, args.warmup_requests, reset=is_kvstack(policy))
         time.sleep(2.0)  # let the routers see the emptied caches
         argv = agent_argv(args, endpoint, policy, pdir / "agent")
         entry["agent_command"] = argv
@@ -229,8 +264,9 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         if not result_file.exists():
             raise RuntimeError(f"bench agent wrote no result (exit {proc.returncode}); see {pdir / 'agent.log'}")
         entry["result"] = json.loads(result_file.read_text())
-        n_decisions = int(sum((entry["result"].get("router") or {}).get("decisions_by_action", {}).values()))
-        entry["decisions"] = fetch_decisions(endpoint, n_decisions, pdir / "decisions.json")
+        if is_kvstack(policy):
+            n_decisions = int(sum((entry["result"].get("router") or {}).get("decisions_by_action", {}).values()))
+            entry["decisions"] = fetch_decisions(endpoint, n_decisions, pdir / "decisions.json")
         print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
               f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one policy's failure is recorded; the next policy still runs
@@ -278,7 +314,7 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
     """The numbers of one policy that the report shows (None where the run failed)."""
     r = entry.get("result")
     if r is None:
-        return {"policy": entry["policy"], "error": entry.get("error", "no result")}
+        return {"policy": run_label(entry), "error": entry.get("error", "no result")}
     router = r.get("router") or {}
     ok_prompts = [x.get("prompt_tokens") or 0 for x in r.get("request_log", [])
                   if x.get("error") is None and not x.get("cancelled") and x.get("ttft_s") is not None]
@@ -286,7 +322,8 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
     decisions = {k: float(v) for k, v in (router.get("decisions_by_action") or {}).items()}
     n_dec = sum(decisions.values())
     return {
-        "policy": entry["policy"],
+        "policy": run_label(entry),
+        "configuration": entry["policy"],
         "requests": r["requests"],
         "sessions": r.get("sessions"),
         "ttft_s": r["ttft_s"],
@@ -310,26 +347,61 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_label(entry: dict[str, Any]) -> str:
+    """``config`` for a single run, ``config #k`` for the k-th repeat."""
+    return entry["policy"] if entry.get("repeat", 1) == 1 and not entry.get("repeated") else \
+        f"{entry['policy']} #{entry.get('repeat', 1)}"
+
+
+def outputs_agreement(done: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Greedy outputs of every run against the first run of the first configuration (the anchor by default):
+    requests of the same id (session, turn) whose prompt has the same token count, and how many returned the same
+    text. A differing turn changes its session's later prompts, which then drop out of the comparison."""
+    if not done:
+        return {}
+    ref = {r.get("request_id"): r for r in done[0]["result"].get("request_log", []) if r.get("text") is not None}
+    out: dict[str, dict[str, int]] = {}
+    for e in done[1:]:
+        compared = equal = 0
+        for r in e["result"].get("request_log", []):
+            o = ref.get(r.get("request_id"))
+            if o is None or r.get("text") is None or r.get("prompt_tokens") != o.get("prompt_tokens"):
+                continue
+            compared += 1
+            equal += r["text"] == o["text"]
+        out[f"{run_label(e)} vs {run_label(done[0])}"] = {"compared": compared, "equal": equal}
+    return out
+
+
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
+    """Rows per run; TTFT samples, ratios and CDFs per configuration, pooled over its repeats."""
+    repeated = {e["policy"] for e in entries if e.get("repeat", 1) > 1}
+    for e in entries:
+        e["repeated"] = e["policy"] in repeated
     rows = [policy_row(e) for e in entries]
     done = [e for e in entries if e.get("result")]
-    samples = {e["policy"]: ttfts(e["result"]) for e in done}
-    with_cancelled = {e["policy"]: ttfts(e["result"], with_cancelled=True) for e in done}
-    for row in rows:
-        if row["policy"] in with_cancelled:
-            log = next(e["result"] for e in done if e["policy"] == row["policy"]).get("request_log", [])
-            row["ttft_with_cancelled_s"] = summarize(with_cancelled[row["policy"]])
+    samples: dict[str, list[float]] = {}
+    with_cancelled: dict[str, list[float]] = {}
+    for e in done:
+        samples.setdefault(e["policy"], []).extend(ttfts(e["result"]))
+        with_cancelled.setdefault(e["policy"], []).extend(ttfts(e["result"], with_cancelled=True))
+    for row, e in zip(rows, entries, strict=True):
+        if e.get("result"):
+            log = e["result"].get("request_log", [])
+            row["ttft_with_cancelled_s"] = summarize(ttfts(e["result"], with_cancelled=True))
             row["cancelled_before_first_token"] = sum(1 for r in log if r.get("cancelled") and r.get("ttft_s") is None)
-    timeline = {e["policy"]: [(r["sent_at_s"], r["ttft_s"]) for r in e["result"].get("request_log", [])
-                              if r.get("ttft_s") is not None and r.get("error") is None] for e in done}
-    # Every policy must run on the same engine placement (threads and binding per replica), or the TTFTs compare
-    # thread counts, not policies.
-    placements = {e["policy"]: sorted((p.get("threads"), p.get("binding"), len(p.get("cores") or []))
-                                      for p in e["result"].get("placement") or []) for e in done}
+    timeline = {run_label(e): [(r["sent_at_s"], r["ttft_s"]) for r in e["result"].get("request_log", [])
+                               if r.get("ttft_s") is not None and r.get("error") is None] for e in done}
+    # Every kvstack configuration must run on the same engine placement (threads and binding per replica), or the
+    # TTFTs compare thread counts, not policies. (The Ray Serve LLM anchor reports none: same thread count, unbound.)
+    placements = {run_label(e): sorted((p.get("threads"), p.get("binding"), len(p.get("cores") or []))
+                                       for p in e["result"].get("placement") or []) for e in done
+                  if is_kvstack(e["policy"])}
     return {"rows": rows, "ratios": _ratios(samples, subject),
             "ratios_with_cancelled": _ratios(with_cancelled, subject), "ttft_samples": samples,
-            "ttft_timeline": timeline,
-            "placement": {e["policy"]: e["result"].get("placement") for e in done},
+            "ttft_pooled": {c: summarize(v) for c, v in samples.items()},
+            "ttft_timeline": timeline, "outputs_agreement": outputs_agreement(done),
+            "placement": {run_label(e): e["result"].get("placement") for e in done},
             "same_placement": len({json.dumps(p) for p in placements.values()}) <= 1}
 
 
@@ -350,10 +422,14 @@ def _ratio_cell(r: dict[str, Any]) -> str:
 
 def render_report(payload: dict[str, Any], plots: list[str]) -> str:
     agg, meta = payload["aggregate"], payload["meta"]
-    lines = ["# Live policy comparison: `kvstack bench agent` against each routing policy", "",
+    order = meta.get("run_order") or [[1, p] for p in meta["policies"]]
+    lines = ["# Live comparison: `kvstack bench agent` against each configuration", "",
              f"Run {meta['started_utc']} on {meta['host']}, wall {meta['wall_s']:.0f} s. Model `{meta['model']}`, "
-             f"2 vLLM replicas (CPU build) on a local Ray cluster of a head + 2 worker nodes, KV pool on. "
-             f"One fresh `kvstack serve` per policy, run in the order {', '.join(meta['policies'])}.", "",
+             f"2 vLLM replicas (CPU build) on a local Ray cluster of a head + 2 worker nodes. Configurations: "
+             f"`{ANCHOR}` = Ray Serve LLM's own app (`build_openai_app`, `PrefixCacheAffinityRouter`) over the same "
+             f"engine arguments; `POLICY` = `kvstack serve --policy POLICY` with the KV pool; `POLICY{NO_POOL}` = "
+             f"the pool off. One fresh server per run, in the order "
+             + ", ".join(f"{c} #{r}" for r, c in order) + ".", "",
              "Command:", "", "```", meta["command"], "```", "",
              "Engine placement per policy (threads, cores per replica): " + "; ".join(
                  f"{pol}: " + ", ".join(f"{p.get('threads')}×{p.get('cores')}" for p in (pl or []))
@@ -393,8 +469,21 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
             lines.append(f"- {name}: {a['records']} records; per replica {_kv(a['by_replica'])}; reused "
                          f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}")
         lines.append("")
+    pooled = agg.get("ttft_pooled") or {}
+    if pooled:
+        lines += ["## TTFT per configuration (every run pooled)", "", "| configuration | n | p50 s | p90 | p99 | mean |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {c} | {t['n']} | {_f(t['p50'])} | {_f(t['p90'])} | {_f(t['p99'])} | {_f(t['mean'])} |"
+                  for c, t in pooled.items()]
+        lines.append("")
+    agreement = agg.get("outputs_agreement") or {}
+    if agreement:
+        lines += ["Greedy outputs (temperature 0) of the same request (session, turn, prompt length) against the "
+                  "first run: " + "; ".join(f"{k}: {v['equal']}/{v['compared']} equal" for k, v in agreement.items())
+                  + ". bf16 results depend on the compute split (a reused prefix is computed by an earlier request), "
+                  "so reuse may change a greedy token; a run against a repeat of itself shows the floor.", ""]
     if agg["ratios"]:
-        lines += ["## Ratios (bootstrap 95% interval, requests resampled)", "",
+        lines += ["## Ratios (bootstrap 95% interval, requests resampled; every run of a configuration pooled)", "",
                   "| ratio | requests | TTFT p50 | TTFT p99 | TTFT mean |", "|---|---|---|---|---|"]
         for kind, key in (("ok", "ratios"), ("ok + cancelled after 1st token", "ratios_with_cancelled")):
             for name, r in agg.get(key, {}).items():
@@ -488,7 +577,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_serve_config(DEFAULT_CONFIG, overrides)
         for p in policies:
-            load_serve_config(DEFAULT_CONFIG, {**overrides, "app.router.policy": p})
+            if is_kvstack(p):
+                load_serve_config(DEFAULT_CONFIG, {**overrides, "app.router.policy": p.removesuffix(NO_POOL)})
     except Exception as exc:  # noqa: BLE001 - config errors of any kind are usage errors here
         print(f"live_compare: bad serve config: {exc}", file=sys.stderr)
         return 2
@@ -519,6 +609,7 @@ def run(args: argparse.Namespace) -> int:
         "schema": "kvstack.bench.live_compare/v1",
         "started_utc": stamp, "host": f"{os.cpu_count()} CPUs", "wall_s": None,
         "model": cfg.app.engine.served_model_name, "policies": policies, "subject": args.subject,
+        "repeats": args.repeats, "run_order": run_order(policies, args.repeats),
         "serve_set": serve_set, "workload": {k: getattr(args, k) for k in AGENT_FLAGS}, "sizing": sizing,
         "work_dir": str(work), "interrupted": False,
         "command": " ".join([Path(sys.executable).name, "-m", "bench.live_compare", *sys.argv[1:]]),
@@ -527,8 +618,8 @@ def run(args: argparse.Namespace) -> int:
     entries: list[dict[str, Any]] = []
     interrupted = False
     try:
-        for policy in policies:
-            entries.append(run_policy(args, policy, work, serve_set, cfg.app.engine.served_model_name))
+        for repeat, policy in run_order(policies, args.repeats):
+            entries.append(run_policy(args, policy, work, serve_set, cfg.app.engine.served_model_name, repeat))
             (work / "entries.json").write_text(json.dumps(entries, indent=2, sort_keys=True))
     except Interrupted:
         interrupted = True
@@ -537,7 +628,7 @@ def run(args: argparse.Namespace) -> int:
     (work / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     write_report(entries, meta, args.out)
     print(f"[live-compare] wrote {args.out / 'report.md'} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    ok = all(e.get("result") for e in entries) and len(entries) == len(policies) and not interrupted
+    ok = all(e.get("result") for e in entries) and len(entries) == len(policies) * args.repeats and not interrupted
     return 0 if ok else 1
 
 

@@ -339,6 +339,16 @@ def make_tiny(spec: TinySpec, out_dir: str | os.PathLike[str], *, force: bool = 
     return out
 
 
+def ensure_configured(arch: str, preset: str, out_dir: str | os.PathLike[str]) -> Path:
+    """The tiny model a serve config names (``tiny_model.arch`` / ``.preset``) at its ``model_path``: built if absent,
+    rebuilt if the directory holds another generated tiny model (older generator, other preset); any other non-empty
+    directory is refused (``make_tiny``). Called by every launcher of a config (``kvstack serve``, the Ray Serve LLM
+    anchor of ``bench.ray_serve_llm``)."""
+    spec = preset_spec(arch, preset)
+    marker = _read_marker(Path(out_dir))
+    return make_tiny(spec, out_dir, force=marker is not None and marker.get("digest") != spec.digest())
+
+
 def model_id(spec: TinySpec) -> str:
     """A stable model id for block-key namespaces: arch, preset and digest."""
     return f"tiny-{spec.arch}-{spec.preset}-{spec.digest()}"

@@ -125,15 +125,6 @@ def _serve(cfg: Any, state_file: Path) -> int:
         stack.stop()
 
 
-def _same_tiny(path: Path, tiny: Any) -> bool:
-    from cluster.tiny_models import MARKER_FILE, preset_spec
-
-    try:
-        return json.loads((path / MARKER_FILE).read_text()).get("digest") == preset_spec(tiny.arch, tiny.preset).digest()
-    except (OSError, ValueError):
-        return False
-
-
 class StopFlag:
     """Set by SIGINT/SIGTERM, polled by the threads that wait on it. No lock: a signal handler runs on the main
     thread wherever it is, also inside a wait on this flag, so a ``threading.Event`` (whose ``set`` takes the lock
@@ -205,14 +196,11 @@ class ServeStack:
         self._deploy()
 
     def _ensure_tiny_model(self) -> None:
-        from cluster.tiny_models import MARKER_FILE, make_tiny, preset_spec
+        from cluster.tiny_models import ensure_configured
 
         path = Path(self.cfg.app.engine.model_path)
         t = self.progress.step(f"tiny model {self.cfg.tiny_model.arch}/{self.cfg.tiny_model.preset} at {path}")
-        # A directory holding another generated tiny model (older generator, other preset) is ours to rebuild; any
-        # other non-empty directory is refused by make_tiny.
-        make_tiny(preset_spec(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset), path,
-                  force=(path / MARKER_FILE).exists() and not _same_tiny(path, self.cfg.tiny_model))
+        ensure_configured(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset, path)
         self.progress.done("tiny model ready", t)
 
     def _start_shards(self) -> None:

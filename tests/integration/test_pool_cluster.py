@@ -379,3 +379,37 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
     assert time.monotonic() - t0 <= DEADLINE_S + 30.0
     with pytest.raises(ShardUnavailableError):
         client.lookup(keys_for(1, "dead"), FP)
+
+
+QUIET_DRIVER = """
+import json, sys, threading, time
+import ray
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.pool import PoolShards
+from ray._private.worker import global_worker
+
+PoolShards(ConnectorConfig(ray_address=sys.argv[1])).ensure_ray()
+alive = global_worker.listener_thread.is_alive()
+nodes = sum(n["Alive"] for n in ray.nodes())
+t0 = time.monotonic()
+ray.shutdown()
+print(json.dumps({"listener_alive": alive, "nodes": nodes, "shutdown_s": time.monotonic() - t0,
+                  "threads": [t.name for t in threading.enumerate()]}))
+"""
+
+
+def test_an_engine_process_joins_the_cluster_without_the_error_poller(ray_cluster: RayCluster) -> None:
+    """The engine's processes are Ray drivers (not workers): joining stops Ray's driver error listener, which
+    otherwise long-polls the GCS in a tight loop on the engine's core; the process still talks to the cluster and
+    leaves it cleanly."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", QUIET_DRIVER, ray_cluster.local.address], capture_output=True,
+                         text=True, timeout=120, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["listener_alive"] is False, report
+    assert "ray_listen_error_messages" not in report["threads"], report
+    assert report["nodes"] == 4, report
+    assert report["shutdown_s"] < 30, report

@@ -119,3 +119,37 @@ def test_report_from_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert res["aggregate"]["ratios"]["cost_based/round_robin"]["p50"]["ratio"] == pytest.approx(1.25 / 2.5)
     assert "![ttft_cdf.png](ttft_cdf.png)" in (out / "report.md").read_text()
     assert lc.report_from_work_dir(tmp_path / "missing", out) == 2
+
+
+def test_configurations_start_the_right_server() -> None:
+    work = Path("/w")
+    anchor = lc.serve_command(lc.ANCHOR, 8100, ["a.b=1"], work)
+    assert anchor[1:3] == ["-m", "bench.ray_serve_llm"] and anchor[-2:] == ["--set", "a.b=1"]
+    nopool = lc.serve_command("prefix_affinity-nopool", 8101, [], work)
+    assert nopool[nopool.index("--policy") + 1] == "prefix_affinity" and "app.pool.enabled=false" in nopool
+    pool = lc.serve_command("cost_based", 8102, [], work)
+    assert pool[pool.index("--policy") + 1] == "cost_based" and "app.pool.enabled=false" not in pool
+    assert lc.run_order(["a", "b", "c"], 2) == [(1, "a"), (1, "b"), (1, "c"), (2, "c"), (2, "b"), (2, "a")]
+
+
+def test_repeats_pool_per_configuration_and_outputs_are_compared() -> None:
+    def with_texts(e: dict, texts: list[str], repeat: int) -> dict:
+        for i, r in enumerate(e["result"]["request_log"][: len(texts)]):
+            r.update(request_id=f"s{i}-t0", text=texts[i], prompt_tokens=1000)
+        e["repeat"] = repeat
+        return e
+
+    entries = [
+        with_texts(_entry(lc.ANCHOR, [3.0] * 10, hbm=0, actions={}), ["x", "y", "z"], 1),
+        with_texts(_entry("cost_based", [1.0] * 10, hbm=5, actions={"holder": 10}), ["x", "y", "q"], 1),
+        with_texts(_entry("cost_based", [2.0] * 10, hbm=5, actions={"holder": 10}), ["x", "y", "z"], 2),
+        with_texts(_entry(lc.ANCHOR, [3.0] * 10, hbm=0, actions={}), ["x", "y", "z"], 2),
+    ]
+    agg = lc.aggregate(entries, "cost_based")
+    assert [r["policy"] for r in agg["rows"]] == [f"{lc.ANCHOR} #1", "cost_based #1", "cost_based #2",
+                                                  f"{lc.ANCHOR} #2"]
+    assert agg["ttft_pooled"]["cost_based"]["n"] == 20 and agg["ttft_pooled"]["cost_based"]["p50"] == 1.5
+    assert agg["ratios"][f"cost_based/{lc.ANCHOR}"]["mean"] == pytest.approx(0.5)
+    assert agg["outputs_agreement"] == {f"cost_based #1 vs {lc.ANCHOR} #1": {"compared": 3, "equal": 2},
+                                        f"cost_based #2 vs {lc.ANCHOR} #1": {"compared": 3, "equal": 3},
+                                        f"{lc.ANCHOR} #2 vs {lc.ANCHOR} #1": {"compared": 3, "equal": 3}}
