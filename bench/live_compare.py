@@ -231,7 +231,7 @@ def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -
 
 
 def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str,
-               repeat: int = 1) -> dict[str, Any]:
+               repeat: int = 1, repeats: int = 1) -> dict[str, Any]:
     """Serve, warm up, bench, stop — for one configuration. Returns its entry for results.json (``error`` on
     failure)."""
     import psutil
@@ -242,7 +242,8 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
     endpoint = f"http://127.0.0.1:{port}/v1"
     serve_log = pdir / "serve.log"
     server = ServerProcess(f"{policy} #{repeat}", serve_command(policy, port, serve_set, pdir), serve_log, cwd=REPO)
-    entry: dict[str, Any] = {"policy": policy, "repeat": repeat, "load_avg_before": list(os.getloadavg())}
+    entry: dict[str, Any] = {"policy": policy, "repeat": repeat, "repeats": repeats,
+                             "load_avg_before": list(os.getloadavg())}
     pids_before = set(psutil.pids())
     t0 = time.monotonic()
     try:
@@ -348,9 +349,8 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_label(entry: dict[str, Any]) -> str:
-    """``config`` for a single run, ``config #k`` for the k-th repeat."""
-    return entry["policy"] if entry.get("repeat", 1) == 1 and not entry.get("repeated") else \
-        f"{entry['policy']} #{entry.get('repeat', 1)}"
+    """``config`` when it ran once, ``config #k`` for the k-th of its ``repeats`` runs."""
+    return entry["policy"] if entry.get("repeats", 1) == 1 else f"{entry['policy']} #{entry.get('repeat', 1)}"
 
 
 def outputs_agreement(done: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -375,9 +375,6 @@ def outputs_agreement(done: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
     """Rows per run; TTFT samples, ratios and CDFs per configuration, pooled over its repeats."""
-    repeated = {e["policy"] for e in entries if e.get("repeat", 1) > 1}
-    for e in entries:
-        e["repeated"] = e["policy"] in repeated
     rows = [policy_row(e) for e in entries]
     done = [e for e in entries if e.get("result")]
     samples: dict[str, list[float]] = {}
@@ -619,7 +616,8 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         for repeat, policy in run_order(policies, args.repeats):
-            entries.append(run_policy(args, policy, work, serve_set, cfg.app.engine.served_model_name, repeat))
+            entries.append(run_policy(args, policy, work, serve_set, cfg.app.engine.served_model_name, repeat,
+                                      args.repeats))
             (work / "entries.json").write_text(json.dumps(entries, indent=2, sort_keys=True))
     except Interrupted:
         interrupted = True

@@ -136,7 +136,7 @@ def test_repeats_pool_per_configuration_and_outputs_are_compared() -> None:
     def with_texts(e: dict, texts: list[str], repeat: int) -> dict:
         for i, r in enumerate(e["result"]["request_log"][: len(texts)]):
             r.update(request_id=f"s{i}-t0", text=texts[i], prompt_tokens=1000)
-        e["repeat"] = repeat
+        e.update(repeat=repeat, repeats=2)
         return e
 
     entries = [
