@@ -81,7 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands.serve import StopFlag, handle_signals
+    from cluster.stop_flag import StopFlag, handle_signals
     from cluster.local_cluster import LocalCluster, prepare_environment
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
     from cluster.tiny_models import ensure_configured

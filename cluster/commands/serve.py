@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 from cluster.cli_output import redirect_output, say, warn
 from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
+from cluster.stop_flag import StopFlag, handle_signals
 
 DEPLOY_DEADLINE_S = 900.0
 
@@ -123,33 +123,6 @@ def _serve(cfg: Any, state_file: Path) -> int:
         return 1
     finally:
         stack.stop()
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM, polled by the threads that wait on it. No lock: a signal handler runs on the main
-    thread wherever it is, also inside a wait on this flag, so a ``threading.Event`` (whose ``set`` takes the lock
-    its ``wait`` holds) deadlocked ``kvstack serve`` on a second Ctrl-C."""
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while not self._set and time.monotonic() < end:
-            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
-        return self._set
-
-
-def handle_signals(stop: StopFlag) -> None:
-    """SIGINT/SIGTERM set ``stop``. Re-installed after ``ray.init``, whose core worker replaces the handlers."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
 
 
 class ServeStack:

@@ -1,4 +1,4 @@
-"""``kvstack serve``'s stop flag (cluster/commands/serve.py): set by real signals while the main thread waits on it,
+"""``kvstack serve``'s stop flag (cluster/stop_flag.py): set by real signals while the main thread waits on it,
 twice in a row — a ``threading.Event`` deadlocked there (its ``set`` takes the lock its ``wait`` holds)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from cluster.commands.serve import StopFlag
+from cluster.stop_flag import StopFlag
 
 
 def test_signals_during_the_wait_stop_it_without_deadlock() -> None:
