@@ -81,9 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.stop_flag import StopFlag, handle_signals
     from cluster.local_cluster import LocalCluster, prepare_environment
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
+    from cluster.stop_flag import StopFlag, handle_signals
     from cluster.tiny_models import ensure_configured
 
     cfg = load_serve_config(args.config or DEFAULT_CONFIG, parse_overrides(args.set))
