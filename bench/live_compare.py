@@ -45,7 +45,7 @@ from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHOR = "ray_serve_llm"  # Ray Serve LLM's own app and prefix-affinity router over the same engine (bench.ray_serve_llm)
+ANCHOR = "ray_serve_llm"  # Ray Serve LLM's app and prefix-affinity router over the same engine (bench.ray_serve_llm)
 NO_POOL = "-nopool"  # a configuration POLICY-nopool: kvstack with that policy and the pool off
 DEFAULT_POLICIES = f"{ANCHOR},prefix_affinity{NO_POOL},round_robin,cost_based"
 HEAVY_MODEL = "tiny-qwen3-heavy"
@@ -184,8 +184,8 @@ def warm_up(endpoint: str, model: str, n: int, *, reset: bool = True) -> dict[st
         times = list(pool.map(one, range(n)))
     if not reset:
         return {"requests": n, "seconds": times, "prefix_cache_reset_ok": None}
-    reset = httpx.post(endpoint[: -len("/v1")] + "/kvstack/admin/reset_prefix_cache", timeout=120)
-    ok = reset.status_code == 200 and all(r.get("ok") for r in reset.json())
+    resp = httpx.post(endpoint[: -len("/v1")] + "/kvstack/admin/reset_prefix_cache", timeout=120)
+    ok = resp.status_code == 200 and all(r.get("ok") for r in resp.json())
     return {"requests": n, "seconds": times, "prefix_cache_reset_ok": ok}
 
 
@@ -468,8 +468,8 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
         lines.append("")
     pooled = agg.get("ttft_pooled") or {}
     if pooled:
-        lines += ["## TTFT per configuration (every run pooled)", "", "| configuration | n | p50 s | p90 | p99 | mean |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["## TTFT per configuration (every run pooled)", "",
+                  "| configuration | n | p50 s | p90 | p99 | mean |", "|---|---|---|---|---|---|"]
         lines += [f"| {c} | {t['n']} | {_f(t['p50'])} | {_f(t['p90'])} | {_f(t['p99'])} | {_f(t['mean'])} |"
                   for c, t in pooled.items()]
         lines.append("")

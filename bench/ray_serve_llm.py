@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,7 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cluster.local_cluster import LocalCluster, prepare_environment
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
-    from cluster.stop_flag import StopFlag, handle_signals
+    from cluster.stop_flag import StopFlag, handle_signals, run_app
     from cluster.tiny_models import ensure_configured
 
     cfg = load_serve_config(args.config or DEFAULT_CONFIG, parse_overrides(args.set))
@@ -101,26 +100,12 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
 
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app(cfg, args.router)
-        failure: list[BaseException] = []
-
-        def deploy() -> None:
-            try:
-                serve.run(app, name="ray-serve-llm", route_prefix="/")
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                failure.append(exc)
-
         t0 = time.monotonic()
-        worker = threading.Thread(target=deploy, name="serve-deploy", daemon=True)
-        worker.start()
-        while worker.is_alive():  # serve.run has no deadline of its own
-            if stop.wait(0.5):
+        try:
+            if not run_app(build_app(cfg, args.router), "ray-serve-llm", stop, args.ready_timeout_s):
                 return 130
-            if time.monotonic() - t0 > args.ready_timeout_s:
-                print(f"Ray Serve LLM: not ready within {args.ready_timeout_s:.0f} s", file=sys.stderr)
-                return 1
-        if failure:
-            print(f"Ray Serve LLM: deploy failed: {failure[0]!r}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a failed or late deploy is this command's failure
+            print(f"Ray Serve LLM: deploy failed: {exc!r}", file=sys.stderr)
             return 1
         url = f"http://{args.host}:{args.port}/v1"
         print(f"Ray Serve LLM is serving {cfg.app.engine.served_model_name} at {url} "

@@ -1,4 +1,5 @@
-"""The stop flag of a long-running launcher: set by SIGINT/SIGTERM, polled by the threads that wait on it.
+"""The stop flag of a long-running launcher: set by SIGINT/SIGTERM, polled by the threads that wait on it, and
+``run_app`` — ``serve.run`` bounded by a deadline and by the flag.
 
 Who calls it: ``kvstack serve`` (``cluster.commands.serve``) and the Ray Serve LLM anchor (``bench.ray_serve_llm``).
 ``handle_signals`` must be called again after ``ray.init``, whose core worker replaces the handlers.
@@ -7,7 +8,9 @@ Who calls it: ``kvstack serve`` (``cluster.commands.serve``) and the Ray Serve L
 from __future__ import annotations
 
 import signal
+import threading
 import time
+from typing import Any
 
 
 class StopFlag:
@@ -35,3 +38,31 @@ def handle_signals(stop: StopFlag) -> None:
     """SIGINT/SIGTERM set ``stop``. Re-installed after ``ray.init``, whose core worker replaces the handlers."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+
+def run_app(app: Any, name: str, stop: StopFlag, deadline_s: float) -> bool:
+    """``serve.run(app, name=name, route_prefix="/")``, which waits for the app without a deadline and cannot be
+    interrupted, on a thread of its own while this one waits, bounded, honouring ``stop``. True once the app is
+    ready, False if ``stop`` was set first; ``TimeoutError`` past ``deadline_s``; the deploy's own exception if it
+    failed."""
+    from ray import serve
+
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(app, name=name, route_prefix="/")
+        except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=deploy, name="serve-deploy", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + deadline_s
+    while worker.is_alive():
+        if stop.wait(0.5):
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the app was not ready within {deadline_s:.0f} s (see the replica logs)")
+    if failure:
+        raise failure[0]
+    return True

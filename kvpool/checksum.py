@@ -2,8 +2,8 @@
 
 Who calls what: a writer (the vLLM connector's saver through ``slot_checksum``, tests, the transfer bench)
 computes ``block_checksum`` over each block it writes into a reserved shard slot and sends the values with
-``commit``; the connector's loads check what they read the same way; the block store recomputes them over its arena bytes at commit and over the bytes read back from SSD, and treats any
-mismatch as a miss, never as data.
+``commit``; the connector's loads check what they read the same way; the block store recomputes them over its
+arena bytes at commit and over the bytes read back from SSD, and treats any mismatch as a miss, never as data.
 
 Algorithm: XXH3-64 (``xxhash`` package). Measured on this machine (2 shared cores, 64 KiB / 1 MiB blocks):
 xxh3_64 ≈ 17 / 10 GB/s, crc32c ≈ 14 / 9.5, zlib.crc32 ≈ 1.9 / 2.2-3.4, blake3 ≈ 2.0 / 2.2, blake2b ≈ 0.5 / 0.5.

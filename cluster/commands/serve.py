@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from cluster.cli_output import redirect_output, say, warn
 from cluster.serve_config import DEFAULT_CONFIG, parse_overrides
-from cluster.stop_flag import StopFlag, handle_signals
+from cluster.stop_flag import StopFlag, handle_signals, run_app
 
 DEPLOY_DEADLINE_S = 900.0
 
@@ -194,27 +193,8 @@ class ServeStack:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         self.serve_started = True
         self.on_ray_started()
-        app = build_app(cfg.app)
-        failure: list[BaseException] = []
-
-        def deploy() -> None:
-            try:
-                serve.run(app, name="kvstack", route_prefix="/")
-            except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
-                failure.append(exc)
-
-        # serve.run waits for the app without a deadline and cannot be interrupted: run it aside and wait here,
-        # bounded, while still honouring Ctrl-C / SIGTERM.
-        worker = threading.Thread(target=deploy, name="serve-deploy", daemon=True)
-        worker.start()
-        deadline = time.monotonic() + DEPLOY_DEADLINE_S
-        while worker.is_alive():
-            if self.stop_event.wait(0.5):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the app was not ready within {DEPLOY_DEADLINE_S:.0f} s (see the replica logs)")
-        if failure:
-            raise failure[0]
+        if not run_app(build_app(cfg.app), "kvstack", self.stop_event, DEPLOY_DEADLINE_S):
+            return
         self.on_ray_started()
         self.progress.done("app ready", t)
         self._print_placement()
