@@ -51,6 +51,7 @@ class AgentWorkload:
     think_time_mean_s: float = 1.0
     max_output_tokens: int = 64
     seed: int = 0
+    max_sessions: int = 0  # start at most this many sessions (0: as many as arrive within the run's budget)
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +64,7 @@ class AgentWorkload:
             (0.0 <= self.tool_result_fraction <= 1.0, "tool_result_fraction must be in [0, 1]"),
             (self.think_time_mean_s >= 0, "think_time_mean_s must be >= 0"),
             (self.max_output_tokens >= 1, "max_output_tokens must be >= 1"),
+            (self.max_sessions >= 0, "max_sessions must be >= 0 (0: unbounded)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -146,7 +148,10 @@ def arrivals(w: AgentWorkload) -> Iterator[float]:
 
 
 def plan_sessions(w: AgentWorkload, *, horizon_s: float | None = None, max_sessions: int | None = None) -> list[SessionPlan]:
-    """Sessions arriving before ``horizon_s`` (and at most ``max_sessions``)."""
+    """Sessions arriving before ``horizon_s`` (and at most ``max_sessions``, and the workload's own
+    ``max_sessions`` when set)."""
+    if w.max_sessions:
+        max_sessions = w.max_sessions if max_sessions is None else min(max_sessions, w.max_sessions)
     if horizon_s is None and max_sessions is None:
         raise ValueError("plan_sessions needs horizon_s or max_sessions")
     out: list[SessionPlan] = []
@@ -304,6 +309,8 @@ async def run_sessions(
 
     async def spawn(done: Callable[[RequestRecord], None]) -> None:
         for sid, arrival in enumerate(arrivals(w)):
+            if w.max_sessions and sid >= w.max_sessions:
+                return
             delay = arrival - (clock() - t_start)
             if delay > budget.remaining_s() or budget.expired():
                 return

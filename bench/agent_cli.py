@@ -47,6 +47,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think-time-s", type=float, default=d.think_time_mean_s, help="mean (exponential)")
     g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help="start at most this many sessions (default 0: as many as arrive within the budget)")
 
 
 def workload_from_args(args: argparse.Namespace) -> AgentWorkload:
@@ -64,6 +66,7 @@ def workload_from_args(args: argparse.Namespace) -> AgentWorkload:
         think_time_mean_s=args.think_time_s,
         max_output_tokens=args.max_output_tokens,
         seed=args.seed,
+        max_sessions=args.max_sessions,
     )
 
 

@@ -15,7 +15,8 @@ the replicas' prefix caches, run ``kvstack bench agent`` as a subprocess (bounde
 the run's ``/kvstack/decisions`` records (kvstack), SIGTERM the server and wait for it to exit (bounded; then
 SIGKILL of its own process group), check that no process of its session is left, and remove its SSD dir (~1 GiB
 per shard). Then aggregate: TTFT p50/p90/p99 per run and per configuration (its runs pooled), ``--subject`` /
-other ratios of p50 and p99 with bootstrap 95% intervals (requests resampled), decisions by action and hit tokens
+other ratios of p50 and p99 with bootstrap 95% intervals (sessions resampled: a session's requests share a
+prefix and a replica), decisions by action and hit tokens
 by tier (the router's ``/metrics`` deltas the agent bench recorded), requests per replica from the decision audit,
 and the greedy outputs of every run against the first run's (same session, turn and prompt length). Writes
 ``report.md``, ``results.json`` and the plots (kept only under 200 KB) into ``--out``; raw per-run results and
@@ -40,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import decision_audit
 from bench.serve_process import ServerProcess, log_contains, new_ray_like_processes
 from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
@@ -71,6 +73,7 @@ WORKLOAD_DEFAULTS: dict[str, Any] = {
     "think_time_s": 3.0,
     "max_output_tokens": 16,
     "seed": 0,
+    "max_sessions": 0,
 }
 # AgentWorkload-shaped args of ``kvstack bench agent`` (dest -> flag), passed through unchanged.
 AGENT_FLAGS: dict[str, str] = {
@@ -87,6 +90,7 @@ AGENT_FLAGS: dict[str, str] = {
     "think_time_s": "--think-time-s",
     "max_output_tokens": "--max-output-tokens",
     "seed": "--seed",
+    "max_sessions": "--max-sessions",
     "tools_mode": "--tools-mode",
     "max_requests": "--max-requests",
     "duration_s": "--duration-s",
@@ -191,8 +195,7 @@ def warm_up(endpoint: str, model: str, n: int, *, reset: bool = True) -> dict[st
 
 def fetch_decisions(endpoint: str, n: int, path: Path) -> dict[str, Any]:
     """The router's newest ``n`` decision records (the run's, when ``n`` is the run's decision count), saved to
-    ``path``, summarised: requests per replica, reused-token fraction (HBM + fetched over prompt tokens) and the
-    median TTFT prediction error per action. Never fatal: a failure is recorded instead."""
+    ``path``, summarised by ``bench.decision_audit.summarize``. Never fatal: a failure is recorded instead."""
     import httpx
 
     try:
@@ -205,21 +208,7 @@ def fetch_decisions(endpoint: str, n: int, path: Path) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
     records = sorted(records, key=lambda r: r.get("decided_at", 0.0))[-n:] if n > 0 else []
     path.write_text(json.dumps(records, indent=1, sort_keys=True))
-    by_replica: dict[str, int] = {}
-    errors: dict[str, list[float]] = {}
-    prompt = reused = 0
-    for r in records:
-        by_replica[str(r.get("replica_id"))] = by_replica.get(str(r.get("replica_id")), 0) + 1
-        prompt += int(r.get("prompt_tokens") or 0)
-        reused += int(r.get("hbm_tokens") or 0) + int(r.get("fetched_tokens") or 0)
-        if r.get("prediction_error_s") is not None:
-            errors.setdefault(str(r.get("action")), []).append(float(r["prediction_error_s"]))
-    return {
-        "records": len(records),
-        "by_replica": by_replica,
-        "reused_token_fraction": (reused / prompt) if prompt else None,
-        "median_prediction_error_s": {a: float(np.median(v)) for a, v in errors.items()},
-    }
+    return decision_audit.summarize(records)
 
 
 def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -> list[str]:
@@ -230,13 +219,18 @@ def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -
     return argv
 
 
+def run_dir(work: Path, policy: str, repeat: int) -> Path:
+    """Where one run of a configuration keeps its logs, raw results and decision records."""
+    return work / (policy if repeat == 1 else f"{policy}#{repeat}")
+
+
 def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str,
                repeat: int = 1, repeats: int = 1) -> dict[str, Any]:
     """Serve, warm up, bench, stop — for one configuration. Returns its entry for results.json (``error`` on
     failure)."""
     import psutil
 
-    pdir = work / (policy if repeat == 1 else f"{policy}#{repeat}")
+    pdir = run_dir(work, policy, repeat)
     pdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}/v1"
@@ -292,20 +286,40 @@ def ttfts(result: dict[str, Any], *, with_cancelled: bool = False) -> list[float
     """TTFTs of a ``bench agent`` result saved with ``--save-requests``: the successful requests (the bench's own
     definition) or, ``with_cancelled``, also those cancelled at the run's deadline after their first token (an
     overloaded run cancels its slowest requests, which biases the ok-only tail low)."""
-    return [r["ttft_s"] for r in result.get("request_log", [])
+    return [r["ttft_s"] for r in _timed(result, with_cancelled)]
+
+
+def ttft_sessions(result: dict[str, Any], run: str, *, with_cancelled: bool = False) -> list[str]:
+    """The session of each of ``ttfts(result)``'s samples, labelled with its run (a session of one run is not the
+    same draw as the same session of another): the groups of the bootstrap over sessions."""
+    return [f"{run}:{r.get('session')}" for r in _timed(result, with_cancelled)]
+
+
+def _by_session(groups: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The configurations whose every sample knows its session (older logs do not: those resample requests)."""
+    return {c: g for c, g in groups.items() if not any(x.endswith(":None") for x in g)}
+
+
+def _timed(result: dict[str, Any], with_cancelled: bool) -> list[dict[str, Any]]:
+    return [r for r in result.get("request_log", [])
             if r.get("ttft_s") is not None and r.get("error") is None and (with_cancelled or not r.get("cancelled"))]
 
 
-def _ratios(samples: dict[str, list[float]], subject: str) -> dict[str, dict[str, Any]]:
+def _ratios(samples: dict[str, list[float]], subject: str,
+            groups: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
+    """subject / every other configuration: p50 and p99 with bootstrap intervals (sessions resampled when
+    ``groups`` labels every sample with its session), and the ratio of means."""
     out: dict[str, dict[str, Any]] = {}
     if subject not in samples:
         return out
+    g = groups or {}
     for other, xs in samples.items():
         if other != subject:
             mine = samples[subject]
+            ci = {"groups_a": g.get(subject), "groups_b": g.get(other)}
             out[f"{subject}/{other}"] = {
-                "p50": ratio_with_ci(mine, xs, 50),
-                "p99": ratio_with_ci(mine, xs, 99),
+                "p50": ratio_with_ci(mine, xs, 50, **ci),
+                "p99": ratio_with_ci(mine, xs, 99, **ci),
                 "mean": (float(np.mean(mine)) / float(np.mean(xs))) if xs and mine else None,
             }
     return out
@@ -379,9 +393,13 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
     done = [e for e in entries if e.get("result")]
     samples: dict[str, list[float]] = {}
     with_cancelled: dict[str, list[float]] = {}
+    sessions: dict[str, list[str]] = {}
+    sessions_wc: dict[str, list[str]] = {}
     for e in done:
         samples.setdefault(e["policy"], []).extend(ttfts(e["result"]))
         with_cancelled.setdefault(e["policy"], []).extend(ttfts(e["result"], with_cancelled=True))
+        sessions.setdefault(e["policy"], []).extend(ttft_sessions(e["result"], run_label(e)))
+        sessions_wc.setdefault(e["policy"], []).extend(ttft_sessions(e["result"], run_label(e), with_cancelled=True))
     for row, e in zip(rows, entries, strict=True):
         if e.get("result"):
             log = e["result"].get("request_log", [])
@@ -394,8 +412,9 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
     placements = {run_label(e): sorted((p.get("threads"), p.get("binding"), len(p.get("cores") or []))
                                        for p in e["result"].get("placement") or []) for e in done
                   if is_kvstack(e["policy"])}
-    return {"rows": rows, "ratios": _ratios(samples, subject),
-            "ratios_with_cancelled": _ratios(with_cancelled, subject), "ttft_samples": samples,
+    return {"rows": rows, "ratios": _ratios(samples, subject, _by_session(sessions)),
+            "ratios_with_cancelled": _ratios(with_cancelled, subject, _by_session(sessions_wc)),
+            "ttft_samples": samples,
             "ttft_pooled": {c: summarize(v) for c, v in samples.items()},
             "ttft_timeline": timeline, "outputs_agreement": outputs_agreement(done),
             "placement": {run_label(e): e["result"].get("placement") for e in done},
@@ -456,15 +475,26 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
     lines += table + [""]
     audits = [(row["policy"], row["decision_audit"]) for row in agg["rows"] if row.get("decision_audit")]
     if audits:
-        lines += ["Decision audit (`/kvstack/decisions`, the run's records): requests per replica, reused-token "
-                  "fraction (HBM + fetched / prompt), median actual − predicted TTFT per action.", ""]
+        lines += ["Decision audit (`/kvstack/decisions`, the run's records; `bench.decision_audit`): requests per "
+                  "replica, reused-token fraction (HBM + fetched / prompt), median actual − predicted TTFT per "
+                  "action, the relative prediction error per action after the run's first decisions (issue 13: "
+                  "median <= 0.25), and whether the planned reuse is what the engine reused (the router's view of "
+                  "the caches at decision time).", ""]
         for name, a in audits:
             if "error" in a:
                 lines.append(f"- {name}: audit unavailable ({a['error'][:200]})")
                 continue
             errs = ", ".join(f"{k} {v:+.2f} s" for k, v in sorted(a["median_prediction_error_s"].items())) or "–"
+            rel = a.get("relative_error") or {}
+            rels = ", ".join(f"{k} {_f(v['p50'], '.2f')} / {_f(v['p90'], '.2f')} (n {v['n']})"
+                             for k, v in rel.items() if v["n"]) or "–"
+            pc = a.get("plan_check") or {}
+            plan = (f"; planned reuse = engine's on {pc['equal']}/{pc['compared']} (engine reused more on "
+                    f"{pc['under']}, {pc['under_tokens']:,} tok; less on {pc['over']}, {pc['over_tokens']:,} tok)"
+                    if pc.get("compared") else "")
             lines.append(f"- {name}: {a['records']} records; per replica {_kv(a['by_replica'])}; reused "
-                         f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}")
+                         f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}; |predicted − actual| "
+                         f"/ actual p50 / p90 after {a.get('warmup_decisions', 0)} decisions: {rels}{plan}")
         lines.append("")
     pooled = agg.get("ttft_pooled") or {}
     if pooled:
@@ -480,7 +510,7 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
                   + ". bf16 results depend on the compute split (a reused prefix is computed by an earlier request), "
                   "so reuse may change a greedy token; a run against a repeat of itself shows the floor.", ""]
     if agg["ratios"]:
-        lines += ["## Ratios (bootstrap 95% interval, requests resampled; every run of a configuration pooled)", "",
+        lines += ["## Ratios (bootstrap 95% interval, sessions resampled; every run of a configuration pooled)", "",
                   "| ratio | requests | TTFT p50 | TTFT p99 | TTFT mean |", "|---|---|---|---|---|"]
         for kind, key in (("ok", "ratios"), ("ok + cancelled after 1st token", "ratios_with_cancelled")):
             for name, r in agg.get(key, {}).items():
@@ -658,7 +688,12 @@ def report_from_work_dir(work: Path, out: Path) -> int:
         print(f"live_compare: no {meta_file} and no {out / 'results.json'} to take the run's meta from",
               file=sys.stderr)
         return 2
-    write_report(json.loads(entries_file.read_text()), meta, out)
+    entries = json.loads(entries_file.read_text())
+    for e in entries:  # the audit again from the saved records (the summary may have grown since the run)
+        records = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
+        if e.get("decisions") and records.exists():
+            e["decisions"] = decision_audit.summarize(json.loads(records.read_text()))
+    write_report(entries, meta, out)
     print(f"[live-compare] rewrote {out / 'report.md'} from {work}", file=sys.stderr)
     return 0
 

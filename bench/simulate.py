@@ -12,11 +12,14 @@ One request, at its arrival time t (requests are processed in arrival order, tie
    delay = the replica's backlog in seconds, HBM prefix) and ``PoolHit``s (shard, tier, prefix, link backlog);
 4. ``PolicyRunner.decide`` returns the action, replica and fetch plan; the simulator applies it:
    HBM reuse is what the replica holds (the engine's own prefix cache reuses it whatever the router says);
-   FETCH moves blocks [max(start, hbm), end) over the tier ``TierMap`` names (same node or not);
+   FETCH moves blocks [max(start, hbm), end) over the tier ``TierMap`` names (same node or not); without a planned
+   FETCH / SPLIT the replica's connector loads the longest pool prefix beyond its HBM prefix on its own, as the live
+   connector does (``connector_pick``; ``connector_fetch=False``: only planned fetches);
    SPLIT runs as the replicas run it (``deployments.split_staging``): the head [hbm, start) is computed while the
    tail [start, end) is pulled to the replica's node, then the tail is loaded from the node's DRAM (a tail already
    on the node is loaded after the head);
-   service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``), FIFO per replica;
+   service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``) + ``prefill_overhead_s``, FIFO
+   per replica; TTFT = queue wait + service + ``request_overhead_s``;
 5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
    its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD. With
    ``pool_touch`` (default, as the replicas do) the blocks it reused from HBM are refreshed in its node's shard.
@@ -44,7 +47,7 @@ from bench.stats import summarize
 from bench.traces import TraceRecord
 from kvpool.keys import BlockKey
 from router.cost import GIB, Hardware, kv_bytes_per_token, t_fetch, t_prefill
-from router.policies.base import Action, ClusterSnapshot, RouteRequest
+from router.policies.base import Action, ClusterSnapshot, PoolHit, RouteRequest
 from router.policies.pricing import TierMap
 from router.policies.runner import PolicyRunner, make_policy
 
@@ -69,6 +72,14 @@ class SimConfig:
     seed: int = 0
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     anti_herding: bool = False
+    # Costs the live path has and the cost model's FLOPs do not (``bench.sim_live`` measures them): added to every
+    # prefill's service time (the engine's fixed cost per prefill: scheduling, sampling, the connector's calls on the
+    # scheduler's thread), and to every TTFT outside the replica (ingress, transport to and from the replica).
+    prefill_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
+    # The replicas' connector loads the longest pool prefix beyond the HBM prefix when the router planned no fetch
+    # (what the live replicas do: ``connector_pick``); False: only the router's FETCH / SPLIT plans move blocks.
+    connector_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.replicas_per_node < 1:
@@ -77,6 +88,10 @@ class SimConfig:
             v = getattr(self, name)
             if v < 0 or math.isnan(v):
                 raise ValueError(f"{name} must be >= 0 (math.inf for unbounded), got {v}")
+        for name in ("prefill_overhead_s", "request_overhead_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
         if self.pool_write not in ("computed", "all", "none"):
             raise ValueError(f"pool_write must be computed, all or none, got {self.pool_write!r}")
 
@@ -107,6 +122,9 @@ class SimConfig:
             },
             "seed": self.seed,
             "anti_herding": self.anti_herding,
+            "prefill_overhead_s": self.prefill_overhead_s,
+            "request_overhead_s": self.request_overhead_s,
+            "connector_fetch": self.connector_fetch,
         }
 
 
@@ -286,13 +304,20 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         fetch_t = 0.0
         start = now if rep.free_at <= now else rep.free_at
         plan = d.fetch
+        source: tuple[str, str, int, int] | None = None  # (shard id, storage tier, first block, end block)
         if plan is not None and d.action in (Action.FETCH, Action.SPLIT):
-            shard = cluster.shard_by_id[plan.shard_id]
+            source = (plan.shard_id, plan.tier, plan.start_block, plan.end_block)
+        elif config.connector_fetch and hits:
+            own = connector_pick(hits, hbm_blocks, (prompt - 1) // rec.block_tokens, rep.node_id)
+            if own is not None:
+                source = (own.shard_id, own.tier, hbm_blocks, min(own.prefix_blocks, (prompt - 1) // rec.block_tokens))
+        if source is not None:
+            shard = cluster.shard_by_id[source[0]]
             same = shard.node_id == rep.node_id
-            tier_key = classes[(plan.tier, same)]
-            tier = tiers.tier(plan.tier, same)
-            first = max(plan.start_block, hbm_blocks)
-            end = min(plan.end_block, len(blocks))
+            tier_key = classes[(source[1], same)]
+            tier = tiers.tier(source[1], same)
+            first = max(source[2], hbm_blocks)
+            end = min(source[3], len(blocks))
             if end > first:
                 moved = cum[end] - cum[first]
                 xfer = t_fetch(model, tier, moved, bw_util=hw.bw_util)
@@ -302,7 +327,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 fetch_s += xfer
                 fetch_bytes[tier_key] += moved * kvb
                 hit[tier_key] += moved
-                shard.tier(plan.tier).touch(blocks[first:end])
+                shard.tier(source[1]).touch(blocks[first:end])
                 if d.action == Action.SPLIT and first > hbm_blocks:
                     # head [hbm, first) computed while the tail is pulled to the node, then the tail loaded from
                     # the node's shard (a tail on the node already: head, then load); the head's KV is not a hit
@@ -320,13 +345,13 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 cached_blocks = end
         compute = t_prefill(model, gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[cached_blocks])
         prefill_gpu_s += compute
-        service += compute
+        service += compute + config.prefill_overhead_s
         end_t = start + service
         rep.free_at = end_t
         cluster.mark_busy(rep)
         rep.prefills.append((start, end_t))
         rep.prefill_busy_s += service
-        ttft = end_t - now
+        ttft = end_t - now + config.request_overhead_s
         ttfts[k] = ttft
         preds[k] = d.predicted_ttft_s
         lat[k] = d.decision_latency_s
@@ -372,6 +397,20 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         per_replica_requests=per_replica,
         replica_busy_s=sum(r.prefill_busy_s for r in replicas),
     )
+
+
+def connector_pick(hits: Sequence[PoolHit], hbm_blocks: int, limit: int, node_id: str) -> PoolHit | None:
+    """The pool hit a replica's connector loads when the router planned no fetch (``kvpool.connector.scheduler``:
+    it looks every shard up for the blocks beyond its HBM prefix, at most ``limit`` full blocks, and loads the
+    longest run): the longest prefix beyond ``hbm_blocks``; a tie goes to the replica's own node, then to DRAM."""
+    best: PoolHit | None = None
+    for h in hits:
+        if min(h.prefix_blocks, limit) <= hbm_blocks:
+            continue
+        if best is None or (min(h.prefix_blocks, limit), h.node_id == node_id, h.tier == "dram") > (
+                min(best.prefix_blocks, limit), best.node_id == node_id, best.tier == "dram"):
+            best = h
+    return best
 
 
 def _cumsum(lengths: Sequence[int]) -> list[int]:

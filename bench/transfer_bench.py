@@ -6,7 +6,9 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   ``memcpy_gather``: the same bytes as shuffled blocks of each size gathered by one ``numpy.take``.
 - ``tcp_socket``: a bare Python TCP socket between two processes (``sendall`` / ``recv_into``, 1 MiB chunks).
 - ``transports``: ``TransferEndpoint.read`` (and ``write`` at the largest batch) between this process and a
-  spawned peer process, per backend (nixl, tcp), block size (64 KiB, 1 MiB) and batch (ops per call, 1..1024).
+  spawned peer process, per backend (nixl, tcp, shm: the same-node path, the peer's memfd mapped here), block size
+  (64 KiB, 1 MiB) and batch (ops per call, 1..1024). The client side runs as the connector's workers do (NIXL
+  without a progress thread).
   Blocks are visited in a shuffled order; each cell moves ``max(total, block*batch)`` bytes.
 - ``ray`` (``--ray``): the same read between two Ray nodes of a local cluster (127.0.0.2 / 127.0.0.3): the
   ``kvpool.shard`` actor on node A holds the arena; a client actor on node B reserves slots, writes them and reads
@@ -17,7 +19,8 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   of the file in shuffled order, ``--batches`` max ops per call, and ``ssd_slab``: the shipped SSD tier
   (``kvpool.ssd.SsdSlab``, buffered ``preadv`` one block at a time) reading its slab in shuffled order.
 
-Ratios per block size (largest batch): ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read /
+Ratios per block size (largest batch): ``shm_over_memcpy`` (and ``_gather``; issue 13's goal: >= 0.8),
+``shm_over_nixl``, ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read /
 bare TCP socket), ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (the SSD tier ``ssd_slab`` / direct
 read), ``file_io_over_direct_read`` (default ``file_io`` engine / direct read), ``ray_nixl_over_memcpy``.
 
@@ -64,7 +67,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,16,256,1024", help="ops per transfer call (default 1,16,256,1024)")
     parser.add_argument("--total-mib", type=int, default=64, help="peer arena and bytes per transport cell")
     parser.add_argument("--repeats", type=int, default=5, help="runs per series (median reported)")
-    parser.add_argument("--backends", default="nixl,tcp", help="transfer backends (default nixl,tcp)")
+    parser.add_argument("--backends", default="nixl,tcp,shm",
+                        help="transfer backends (default nixl,tcp,shm; shm: same-host shared memory)")
     parser.add_argument("--host", default="127.0.0.2", help="address the TCP servers bind to")
     parser.add_argument("--file-mib", type=int, default=64, help="size of the SSD test files (0 = skip)")
     parser.add_argument("--file-dir", default="", help="directory for the SSD test file (default: a temp dir)")
@@ -115,7 +119,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     batches = sorted(set(_ints(args.batches, "batches")))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("nixl", "tcp"):
+        if b not in ("nixl", "tcp", "shm"):
             raise SystemExit(f"--backends: unknown backend {b!r}")
     repeats = max(1, args.repeats)
     region_bytes = args.total_mib * MIB
@@ -150,7 +154,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         local = aligned_buffer(region_bytes)
         src = np.frombuffer(np.random.default_rng(1).bytes(region_bytes), dtype=np.uint8)
         for b in backends:
-            ep = make_endpoint(b, f"bench-client-{b}", options=transport_options(b, "127.0.0.3"))
+            ep = make_endpoint(b, f"bench-client-{b}", options=transport_options(b, "127.0.0.3", client=True))
             ep.register(local.data)
             ep.add_peer(peer.metadata(b))
             endpoints[b] = ep
@@ -251,7 +255,11 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
         label = size_label(block)
         nixl = med("transports", "nixl", "read", label, str(batch))
         tcp_ep = med("transports", "tcp", "read", label, str(batch))
+        shm = med("transports", "shm", "read", label, str(batch))
         out[label] = {
+            "shm_over_memcpy": div(shm, memcpy),
+            "shm_over_memcpy_gather": div(shm, med("memcpy_gather", label)),
+            "shm_over_nixl": div(shm, nixl),
             "nixl_over_memcpy": div(nixl, memcpy),
             "nixl_over_memcpy_gather": div(nixl, med("memcpy_gather", label)),
             "nixl_over_tcp": div(nixl, tcp),

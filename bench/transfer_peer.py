@@ -35,12 +35,15 @@ REPLY_TIMEOUT_S = 30.0
 RAW_HEADER = struct.Struct("!cQ")  # bare-socket request: b"r"/b"w", byte count
 
 
-def transport_options(backend: str, host: str) -> Any:
-    """The backend's options for loopback on one host: NIXL/UCX on ``lo``, TCP bound to ``host``."""
+def transport_options(backend: str, host: str, *, client: bool = False) -> Any:
+    """The backend's options for loopback on one host: NIXL/UCX on ``lo``, TCP bound to ``host``. ``client``: a side
+    that only initiates (the connector's worker endpoints): NIXL without its progress thread."""
     if backend == "nixl":
         from kvpool.transfer.nixl import NixlOptions
 
-        return NixlOptions(ucx_devices="lo")
+        return NixlOptions(ucx_devices="lo", progress_thread=not client)
+    if backend == "shm":
+        return None
     from kvpool.transfer.tcp import TcpOptions
 
     return TcpOptions(bind_host=host)
@@ -78,14 +81,25 @@ class Stop:
 # ---- the peer process -------------------------------------------------------------------------------------------
 def _peer_main(backends: list[str], names: dict[str, str], host: str, seed: int, size: int, raw_socket: bool,
                conn: Connection) -> None:
+    from kvpool.arena import DramArena
     from kvpool.transfer import encode_metadata, make_endpoint
-    from kvpool.transfer.file_io import aligned_buffer
 
-    arena = aligned_buffer(size)
-    arena[:] = pattern(seed, size)
+    shared = "shm" in backends
+    regions: list[DramArena] = []  # every region in a memfd when a shm endpoint exports them (else anonymous)
+
+    def region(seed: int, size: int) -> np.ndarray:
+        r = DramArena(size, 1, shared=shared)
+        r.array[:] = pattern(seed, size)
+        regions.append(r)
+        for b, ep in endpoints.items():
+            if b == "shm":
+                ep.register_shared(r.buffer, r.fd)
+            else:
+                ep.register(r.buffer)
+        return r.array
+
     endpoints = {b: make_endpoint(b, names[b], options=transport_options(b, host)) for b in backends}
-    for ep in endpoints.values():
-        ep.register(arena.data)
+    arena = region(seed, size)
     listener = socket.create_server((host, 0)) if raw_socket else None
     stop = threading.Event()
     if listener is not None:
@@ -100,11 +114,7 @@ def _peer_main(backends: list[str], names: dict[str, str], host: str, seed: int,
         while conn.poll(PEER_IDLE_S):
             cmd = conn.recv()
             if isinstance(cmd, Register):
-                region = aligned_buffer(cmd.size)
-                region[:] = pattern(cmd.seed, cmd.size)
-                extra.append(region)
-                for ep in endpoints.values():
-                    ep.register(region.data)
+                extra.append(region(cmd.seed, cmd.size))
                 conn.send(metadata())
             elif isinstance(cmd, Digest):
                 conn.send(hashlib.sha256(arena[cmd.offset : cmd.offset + cmd.length].tobytes()).hexdigest())

@@ -37,6 +37,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("trace", "bench.trace_cli", "replay a Mooncake trace against an OpenAI endpoint"),
     ("compare", "bench.compare_cli", "policies side by side (simulator and live)"),
     ("live-compare", "bench.live_compare", "one kvstack serve per policy + bench agent, markdown report"),
+    ("sim-live", "bench.sim_live", "simulate a live-compare run's configurations on what it saw; sim vs live"),
 ]
 
 

@@ -2,25 +2,37 @@
 
 Who calls what: the block store (``kvpool.store``) allocates and frees slots and reads/writes slot views; the
 shard actor registers ``buffer`` with its transfer endpoint once, so remote peers read and write slots in place
-(offset = ``slot * slot_bytes``). The arena never moves or grows, so registered offsets stay valid for the
+(offset = ``slot * slot_bytes``); a shared arena (a memfd) is also mapped by same-host clients
+(``kvpool.transfer.shm``). The arena never moves or grows, so registered offsets stay valid for the
 process's lifetime. Not thread-safe; the store's owner serializes access.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
 
 class DramArena:
-    def __init__(self, slot_bytes: int, n_slots: int) -> None:
+    def __init__(self, slot_bytes: int, n_slots: int, *, shared: bool = False) -> None:
+        """``shared``: back the arena with a memfd (``fd``) that same-host processes can map
+        (``kvpool.transfer.shm``); else an anonymous private mapping."""
         if slot_bytes <= 0 or n_slots <= 0:
             raise ValueError(f"arena needs positive slot_bytes and n_slots, got {slot_bytes} x {n_slots}")
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        # Anonymous mmap: page-aligned (RDMA registration, O_DIRECT) and zero-filled by the kernel.
-        self._mmap = mmap.mmap(-1, slot_bytes * n_slots)
+        self.fd: int | None = None
+        if shared:
+            # A memfd: gone with the last process that holds it (nothing to leak in /dev/shm when a shard is
+            # killed), page-aligned and zero-filled like the anonymous mapping.
+            self.fd = os.memfd_create("kvstack-dram-arena", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, slot_bytes * n_slots)
+            self._mmap = mmap.mmap(self.fd, slot_bytes * n_slots)
+        else:
+            # Anonymous mmap: page-aligned (RDMA registration, O_DIRECT) and zero-filled by the kernel.
+            self._mmap = mmap.mmap(-1, slot_bytes * n_slots)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.buffer = memoryview(self._mmap)
         self._free: list[int] = list(range(n_slots - 1, -1, -1))  # stack: pops lowest slot first
@@ -57,3 +69,6 @@ class DramArena:
             self._mmap.close()
         except BufferError:
             pass
+        if self.fd is not None:
+            os.close(self.fd)  # the mapping (and any peer's) keeps the memory until it goes
+            self.fd = None

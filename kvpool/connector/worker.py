@@ -67,11 +67,15 @@ class WorkerStats:
 
 
 def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint:
-    """The worker's transfer endpoint (client side: it never serves)."""
+    """The worker's transfer endpoint (client side: it never serves). NIXL runs without its progress thread here:
+    only a passive side needs one (the shards), an initiator progresses its own transfers while it polls them, and
+    the thread would wake every ``progress_delay_us`` on the engine's own core (~3% of it per agent, two agents per
+    worker: loads and saves)."""
     if cfg.backend == "nixl":
         from kvpool.transfer.nixl import NixlEndpoint, NixlOptions
 
-        return NixlEndpoint(agent_name, options=msgspec.convert(cfg.endpoint_options, NixlOptions))
+        opts = {"progress_thread": False, **cfg.endpoint_options}
+        return NixlEndpoint(agent_name, options=msgspec.convert(opts, NixlOptions))
     from kvpool.transfer.tcp import TcpEndpoint, TcpOptions
 
     opts = {"serve": False, **cfg.endpoint_options}

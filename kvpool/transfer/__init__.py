@@ -1,4 +1,5 @@
-"""KV block transfer between processes: one interface (``base``), NIXL and TCP implementations."""
+"""KV block transfer between processes: one interface (``base``), NIXL and TCP implementations, and shared memory
+between processes of one host (``shm``)."""
 
 from kvpool.transfer.base import (
     TRANSFER_WIRE_VERSION,
@@ -37,4 +38,8 @@ def make_endpoint(backend: str, agent_name: str, *, options: object = None, metr
         from kvpool.transfer.tcp import TcpEndpoint
 
         return TcpEndpoint(agent_name, options=options, metrics=metrics)  # type: ignore[arg-type]
-    raise ValueError(f"unknown transfer backend {backend!r}; known: nixl, tcp")
+    if backend == "shm":
+        from kvpool.transfer.shm import ShmEndpoint
+
+        return ShmEndpoint(agent_name, metrics=metrics)  # type: ignore[arg-type]
+    raise ValueError(f"unknown transfer backend {backend!r}; known: nixl, tcp, shm")

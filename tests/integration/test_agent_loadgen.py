@@ -210,3 +210,14 @@ def test_compare_report_sim_and_live(tmp_path: Path) -> None:
     live_cb = results["live"]["cost_based"]["ttft_s"]["p50"]
     live_rr = results["live"]["round_robin"]["ttft_s"]["p50"]
     assert live_cb > live_rr
+
+
+def test_agent_bench_max_sessions_bounds_the_sessions_started(tmp_path: Path) -> None:
+    out = tmp_path / "bounded"
+    with FakeOpenAIServer() as srv:
+        rc = kvstack_main(["bench", "agent", "--endpoint", srv.base_url, *AGENT_SMALL, "--max-sessions", "3",
+                           "--max-requests", "100", "--duration-s", "30", "--out", str(out), "--save-requests"])
+    result = json.loads((out / "result.json").read_text())
+    assert rc == 0
+    assert result["sessions"] == {"started": 3, "completed": 3}
+    assert {r["session"] for r in result["request_log"]} == {0, 1, 2}

@@ -50,6 +50,22 @@ def test_ratio_ci_is_wide_for_few_samples() -> None:
     assert r["ci_high"] / r["ci_low"] > 2.0
 
 
+def test_the_bootstrap_over_sessions_is_wider_when_a_session_s_requests_move_together() -> None:
+    # Ten sessions of ten requests each; a session's requests share its latency (one prefix, one replica).
+    rng = np.random.default_rng(2)
+    level = rng.exponential(1.0, 10)
+    a = np.repeat(level, 10).tolist()
+    groups = [f"run1:{i}" for i in range(10) for _ in range(10)]
+    b = [1.0] * 100
+    by_request = ratio_with_ci(a, b, 50)
+    by_session = ratio_with_ci(a, b, 50, groups_a=groups)
+    assert by_session["ratio"] == by_request["ratio"]
+    width = lambda r: r["ci_high"] - r["ci_low"]  # noqa: E731
+    assert width(by_session) > 1.5 * width(by_request)
+    with pytest.raises(ValueError, match="one label per sample"):
+        ratio_with_ci(a, b, 50, groups_b=groups[:5])
+
+
 def _entry(policy: str, ttft: list[float], *, hbm: float, actions: dict[str, float]) -> dict[str, object]:
     log = [{"ttft_s": t, "error": None, "cancelled": False, "prompt_tokens": 1000, "turn": i % 3, "sent_at_s": i}
            for i, t in enumerate(ttft)]

@@ -1,0 +1,79 @@
+"""What a run's decision records (``/kvstack/decisions``) say about the router: placement, reuse, how good the cost
+model's predictions were, and whether the router's view of the caches was exact at decision time.
+
+Input: the records as JSON dicts (``router.decision.DecisionRecord`` as msgspec encodes it), any order. Output of
+``summarize`` (a JSON-ready dict):
+    records, by_replica                requests per replica
+    reused_token_fraction              (HBM + fetched tokens) / prompt tokens, as planned
+    median_prediction_error_s          per action: median (actual − predicted) TTFT, seconds (every record)
+    relative_error                     per action, records after the first ``warmup`` (by decision time):
+                                       n, p50 and p90 of |predicted − actual| / actual — issue 13's accuracy check
+                                       (after warm-up the median must be <= 0.25); ``all`` pools the actions
+    plan_check                         records whose engine reported what it reused (``actual_cached_tokens``):
+                                       compared, equal (planned HBM + fetched tokens == what the engine reused),
+                                       under / over (the engine reused more / less than planned), and the tokens
+                                       of those differences — the router's view of the HBM prefixes at decision time
+Pure (no I/O). Called by ``bench.live_compare`` (after each run, and again when a report is rebuilt from a work dir).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+#: Decisions of a run left out of the accuracy figures: the calibrator fits the replicas' prefill rate and the
+#: tiers' bandwidth from the first finished requests (``router.calibration``, 5 observations per fit).
+DEFAULT_WARMUP = 10
+
+
+def _quantiles(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "p50": None, "p90": None}
+    arr = np.asarray(values, dtype=float)
+    return {"n": int(arr.size), "p50": float(np.quantile(arr, 0.5)), "p90": float(np.quantile(arr, 0.9))}
+
+
+def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WARMUP) -> dict[str, Any]:
+    """The module docstring's summary of one run's records."""
+    ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
+    by_replica: dict[str, int] = {}
+    errors: dict[str, list[float]] = {}
+    relative: dict[str, list[float]] = {}
+    prompt = reused = 0
+    compared = equal = under = over = under_tokens = over_tokens = 0
+    for i, r in enumerate(ordered):
+        rid = str(r.get("replica_id"))
+        by_replica[rid] = by_replica.get(rid, 0) + 1
+        planned = int(r.get("hbm_tokens") or 0) + int(r.get("fetched_tokens") or 0)
+        prompt += int(r.get("prompt_tokens") or 0)
+        reused += planned
+        action = str(r.get("action"))
+        if r.get("prediction_error_s") is not None:
+            errors.setdefault(action, []).append(float(r["prediction_error_s"]))
+        actual, predicted = r.get("actual_ttft_s"), r.get("predicted_ttft_s")
+        if i >= warmup and actual is not None and predicted is not None and float(actual) > 0:
+            relative.setdefault(action, []).append(abs(float(predicted) - float(actual)) / float(actual))
+        engine = r.get("actual_cached_tokens")
+        if engine is not None:
+            compared += 1
+            diff = int(engine) - planned
+            if diff == 0:
+                equal += 1
+            elif diff > 0:
+                under, under_tokens = under + 1, under_tokens + diff
+            else:
+                over, over_tokens = over + 1, over_tokens - diff
+    rel = {a: _quantiles(v) for a, v in sorted(relative.items())}
+    rel["all"] = _quantiles([x for v in relative.values() for x in v])
+    return {
+        "records": len(ordered),
+        "by_replica": by_replica,
+        "reused_token_fraction": (reused / prompt) if prompt else None,
+        "median_prediction_error_s": {a: float(np.median(v)) for a, v in errors.items()},
+        "warmup_decisions": warmup,
+        "relative_error": rel,
+        "plan_check": {"compared": compared, "equal": equal, "under": under, "over": over,
+                       "under_tokens": under_tokens, "over_tokens": over_tokens},
+    }

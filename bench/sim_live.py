@@ -1,0 +1,286 @@
+"""``kvstack bench sim-live``: does the simulator tell the truth about a live run? (issue 13, item 6)
+
+    kvstack bench sim-live --work-dir .kvstack/live_compare/<time> [--out DIR] [--json]
+
+Takes a finished ``bench.live_compare`` run (its work dir: ``meta.json``, ``entries.json``, every run's request
+log and decision records) and simulates every configuration on what that run saw:
+- **the workload**: each run's own requests (``bench agent --save-requests``: session, turn, send time, prompt and
+  output tokens), replayed at their live send times. Block ids follow the agent workload's structure at the
+  engine's block size: a session's turn k+1 prompt extends its turn k prompt, the first ``shared_prefix_tokens``
+  (the system prompt and tools of the session's variant, sized with the model's tokenizer by ``live_compare``) are
+  shared by the sessions of that variant; a partial last block gets an id of its own.
+- **the cluster**: the local one (2 nodes, one replica each; ``--nodes`` / ``--replicas-per-node``), each replica's
+  KV cache as configured (``kv_cache_memory_bytes`` / the model's KV bytes per token), the pool on or off as the
+  configuration ran, the policy it ran (the Ray Serve LLM anchor as ``prefix_affinity`` without a pool: its
+  ``PrefixCacheAffinityRouter`` routes on the longest prefix match).
+- **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
+  engine's prefill rate fitted to the prefills it timed (scheduled → first token against the tokens it computed;
+  ``router.calibration.MfuEstimator``: MFU and the fixed cost per prefill), the pool's calls on the scheduler's thread
+  (lookup + lease) as a per-prefill cost, and the ingress + transport time as a per-request cost. The anchor has no
+  timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
+Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
+the order of the configurations by p50.
+
+Output: a JSON document (``--json``: on stdout) and, with ``--out``, ``sim_live.json`` + ``sim_live.md``.
+Pure apart from reading the work dir; the simulator is ``bench.simulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.traces import TraceRecord
+from cluster.cli_output import print_document
+
+#: What "within" means for the simulator against the live run (issue 13, item 6).
+TOLERANCE = 0.25
+ANCHOR = "ray_serve_llm"
+NO_POOL = "-nopool"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--work-dir", type=Path, required=True, help="a bench.live_compare work dir")
+    parser.add_argument("--out", type=Path, default=None, help="write sim_live.json and sim_live.md here")
+    parser.add_argument("--json", action="store_true", help="print the JSON document on stdout")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes with replicas (local cluster: 2)")
+    parser.add_argument("--replicas-per-node", type=int, default=1)
+    parser.add_argument("--pool-tokens", type=float, default=None,
+                        help="pool DRAM tokens per node (default: the configured dram_bytes / KV bytes per token)")
+
+
+# ------------------------------------------------------------------------------------------- the workload
+def live_trace(requests: Iterable[Mapping[str, Any]], variant_of: Mapping[int, int], shared_tokens: int,
+               block_tokens: int) -> list[TraceRecord]:
+    """The requests of one live run that got a prompt length, as a trace at their send times (module docstring)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    rows = sorted((float(r["sent_at_s"]), int(r["session"]), int(r["turn"]), int(r["prompt_tokens"]),
+                   int(r.get("output_tokens") or 1)) for r in requests if r.get("prompt_tokens"))
+    ids: dict[tuple[Any, ...], int] = {}
+    out: list[TraceRecord] = []
+    for i, (t, session, _turn, length, output) in enumerate(rows):
+        hash_ids = []
+        for b in range(math.ceil(length / block_tokens)):
+            end = min((b + 1) * block_tokens, length)
+            size = end - b * block_tokens
+            key = (("sys", variant_of.get(session, -1), b, size) if end <= shared_tokens
+                   else ("sess", session, b, size))
+            hash_ids.append(ids.setdefault(key, len(ids)))
+        out.append(TraceRecord(i, t * 1000.0, length, max(1, output), tuple(hash_ids), block_tokens))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the costs
+@dataclasses.dataclass(frozen=True, slots=True)
+class LiveCosts:
+    """What one configuration's decision records say the live path cost."""
+
+    mfu: float
+    prefill_overhead_s: float  # the fitted fixed cost of a prefill (intercept), plus the pool's scheduler calls
+    request_overhead_s: float  # ingress + transport, median
+    prefills: int  # prefills the fit saw
+    pool_calls_s: float  # lookup + lease per request, median (0 without the pool)
+
+
+def live_costs(records: Sequence[Mapping[str, Any]], hw: Any) -> LiveCosts | None:
+    """Fit the engine's prefill (MFU + fixed cost) and the per-request costs from a run's decision records; None
+    when the records carry no timeline."""
+    from router.calibration import MfuEstimator
+
+    est = MfuEstimator(hw, halflife=1e9, min_obs=5)
+    outside: list[float] = []
+    pool: list[float] = []
+    n = 0
+    for r in sorted(records, key=lambda r: float(r.get("decided_at") or 0.0)):
+        tl = r.get("timeline") or {}
+        rep = tl.get("replica") or {}
+        cached = r.get("actual_cached_tokens")
+        if rep.get("first_token_s") is not None and rep.get("scheduled_s") is not None and cached is not None:
+            seconds = float(rep["first_token_s"]) - float(rep["scheduled_s"])
+            prompt = int(r.get("prompt_tokens") or 0)
+            if seconds > 0 and prompt > int(cached):
+                est.observe(prompt, int(cached), seconds)
+                n += 1
+        if tl.get("ingress_s") is not None and tl.get("transport_s") is not None:
+            outside.append(float(tl["ingress_s"]) + float(tl["transport_s"]))
+        p = tl.get("pool")
+        if p:
+            pool.append(float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0))
+    if n == 0 and not outside:
+        return None
+    pool_s = statistics.median(pool) if pool else 0.0
+    return LiveCosts(mfu=est.mfu, prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
+                     request_overhead_s=statistics.median(outside) if outside else 0.0, prefills=n,
+                     pool_calls_s=pool_s)
+
+
+# ------------------------------------------------------------------------------------------- the run
+def _serve_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine / pool / router settings the live run served with: the embedded config plus its --set overrides."""
+    from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
+
+    cfg = load_serve_config(DEFAULT_CONFIG, parse_overrides(list(meta.get("serve_set") or [])))
+    return {"block_size": cfg.app.engine.block_size, "kv_bytes": cfg.app.engine.kv_cache_memory_bytes,
+            "model_spec": cfg.app.router.model_spec, "gpu_profile": cfg.app.router.gpu_profile,
+            "dram_bytes": cfg.app.pool.dram_bytes, "model_path": cfg.app.engine.model_path}
+
+
+def policy_of(config: str) -> tuple[str, bool]:
+    """(kvstack policy, pool on) that simulates a live configuration."""
+    if config == ANCHOR:
+        return "prefix_affinity", False
+    if config.endswith(NO_POOL):
+        return config[: -len(NO_POOL)], False
+    return config, True
+
+
+def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
+                 pool_tokens: float | None = None) -> dict[str, Any]:
+    from bench.agent import session_plan
+    from bench.agent_cli import workload_from_args
+    from bench.live_compare import run_dir, run_label, ttfts
+    from bench.simulate import SimConfig, simulate
+    from bench.stats import summarize
+    from configs.loader import load_gpus, load_models, load_tiers, pick
+    from router.cost import Hardware, kv_bytes_per_token
+    from router.policies.pricing import TierMap
+
+    meta = json.loads((work / "meta.json").read_text())
+    entries = [e for e in json.loads((work / "entries.json").read_text()) if e.get("result")]
+    if not entries:
+        raise ValueError(f"{work}: no finished run to simulate")
+    settings = _serve_settings(meta)
+    base_hw = Hardware(model=pick("model", load_models(), settings["model_spec"]),
+                       gpu=pick("GPU", load_gpus(), settings["gpu_profile"]), mfu=0.5, bw_util=0.8)
+    kvb = kv_bytes_per_token(base_hw.model)
+    hbm_tokens = float(settings["kv_bytes"]) / kvb if settings["kv_bytes"] else math.inf
+    pool_dram = pool_tokens if pool_tokens is not None else float(settings["dram_bytes"]) / kvb
+    workload = dict(meta["workload"])
+    workload.setdefault("max_sessions", 0)
+    w = workload_from_args(argparse.Namespace(**workload))
+    sizing = meta.get("sizing")
+    if not sizing:  # the run was started without the model's tokenizer at hand: size it now
+        from bench.live_compare import REPO, size_workload
+
+        sizing = size_workload(argparse.Namespace(**workload), REPO / settings["model_path"])
+    shared = int(sizing["shared_prefix_tokens"])
+    tiers = TierMap.from_tiers(load_tiers())
+
+    costs: dict[str, LiveCosts] = {}
+    for e in entries:
+        f = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
+        if f.exists():
+            got = live_costs(json.loads(f.read_text()), base_hw)
+            if got is not None:
+                costs.setdefault(e["policy"], got)  # the first run of a configuration prices all of its runs
+    fallback = next((costs[c] for c in costs if c.endswith(NO_POOL)), next(iter(costs.values()), None))
+
+    runs: list[dict[str, Any]] = []
+    live: dict[str, list[float]] = {}
+    sim: dict[str, list[float]] = {}
+    for e in entries:
+        config = e["policy"]
+        log = e["result"].get("request_log") or []
+        sessions = {int(r["session"]) for r in log if r.get("session") is not None}
+        variants = {s: session_plan(w, s, 0.0).variant for s in sessions}
+        trace = live_trace(log, variants, shared, settings["block_size"])
+        c = costs.get(config) or fallback
+        policy, pool = policy_of(config)
+        hw = dataclasses.replace(base_hw, mfu=c.mfu) if c else base_hw
+        result = simulate(trace, SimConfig(
+            nodes=nodes, replicas_per_node=replicas_per_node, policy=policy, hw=hw, tier_map=tiers,
+            hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
+            prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
+            (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
+            request_overhead_s=c.request_overhead_s if c else 0.0))
+        live_ttft = ttfts(e["result"])
+        live.setdefault(config, []).extend(live_ttft)
+        sim.setdefault(config, []).extend(result.ttft_s.tolist())
+        runs.append({"run": run_label(e), "configuration": config, "policy": policy, "pool": pool,
+                     "requests": len(trace), "costs": dataclasses.asdict(c) if c else None,
+                     "costs_from": config if config in costs else "fallback",
+                     "live_ttft_s": summarize(live_ttft), "sim_ttft_s": summarize(result.ttft_s),
+                     "sim_decisions": result.decisions, "sim_hit_rate_by_tier": result.hit_rate_by_tier()})
+
+    configs = []
+    for config in live:
+        lv, sv = summarize(live[config]), summarize(sim[config])
+        p50_ratio = sv["p50"] / lv["p50"] if lv["p50"] else None
+        mean_ratio = sv["mean"] / lv["mean"] if lv["mean"] else None
+        configs.append({"configuration": config, "live": lv, "sim": sv, "sim_over_live_p50": p50_ratio,
+                        "sim_over_live_mean": mean_ratio,
+                        "p50_within": p50_ratio is not None and abs(p50_ratio - 1.0) <= TOLERANCE})
+    live_order = [c["configuration"] for c in sorted(configs, key=lambda c: c["live"]["p50"])]
+    sim_order = [c["configuration"] for c in sorted(configs, key=lambda c: c["sim"]["p50"])]
+    return {"schema": "kvstack.sim_live/v1", "work_dir": str(work), "tolerance": TOLERANCE,
+            "cluster": {"nodes": nodes, "replicas_per_node": replicas_per_node, "hbm_tokens": hbm_tokens,
+                        "pool_dram_tokens": pool_dram, "block_size": settings["block_size"],
+                        "model_spec": settings["model_spec"], "gpu_profile": settings["gpu_profile"]},
+            "configurations": configs, "live_order_by_p50": live_order, "sim_order_by_p50": sim_order,
+            "same_order": live_order == sim_order, "all_p50_within": all(c["p50_within"] for c in configs),
+            "runs": runs}
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    def f(v: Any) -> str:
+        return "–" if v is None else f"{v:.3f}"
+
+    cl = doc["cluster"]
+    lines = ["# The simulator against the live run", "",
+             f"Work dir `{doc['work_dir']}`; simulated cluster: {cl['nodes']} nodes × {cl['replicas_per_node']} "
+             f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica, pool DRAM {cl['pool_dram_tokens']:.0f} "
+             f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}` with "
+             f"the MFU and per-prefill cost fitted to each configuration's live prefills.", "",
+             "| configuration | live p50 | sim p50 | sim/live p50 | live mean | sim mean | sim/live mean | within "
+             f"{doc['tolerance']:.0%} |", "|---|---|---|---|---|---|---|---|"]
+    for c in doc["configurations"]:
+        lines.append(f"| {c['configuration']} | {f(c['live']['p50'])} | {f(c['sim']['p50'])} | "
+                     f"{f(c['sim_over_live_p50'])} | {f(c['live']['mean'])} | {f(c['sim']['mean'])} | "
+                     f"{f(c['sim_over_live_mean'])} | {'yes' if c['p50_within'] else 'no'} |")
+    lines += ["", f"Order by p50, live: {', '.join(doc['live_order_by_p50'])}; simulated: "
+              f"{', '.join(doc['sim_order_by_p50'])} ({'same' if doc['same_order'] else 'different'}).", "",
+              "Per run (costs fitted from the configuration's first run's decision records):", ""]
+    for r in doc["runs"]:
+        c = r["costs"] or {}
+        lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e}, per prefill "
+                     f"{c.get('prefill_overhead_s', 0.0):.3f} s (pool calls {c.get('pool_calls_s', 0.0):.3f} s), "
+                     f"per request {c.get('request_overhead_s', 0.0):.3f} s ({r['costs_from']}); sim decisions "
+                     f"{r['sim_decisions']}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        doc = simulate_run(args.work_dir.resolve(), nodes=args.nodes, replicas_per_node=args.replicas_per_node,
+                           pool_tokens=args.pool_tokens)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"kvstack bench sim-live: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(doc, indent=2, sort_keys=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sim_live.json").write_text(text + "\n")
+        (args.out / "sim_live.md").write_text(render(doc))
+    if args.json:
+        print_document(text)
+    else:
+        print(render(doc), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_live", description=__doc__.split("\n\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``bench.decision_audit.summarize``: accuracy after warm-up per action, and the plan-vs-engine check."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.decision_audit import summarize
+
+
+def _rec(t: float, action: str, predicted: float, actual: float | None, *, hbm: int = 0, fetched: int = 0,
+         engine: int | None = None, replica: str = "r0") -> dict:
+    return {"decided_at": t, "action": action, "replica_id": replica, "prompt_tokens": 1000, "hbm_tokens": hbm,
+            "fetched_tokens": fetched, "predicted_ttft_s": predicted, "actual_ttft_s": actual,
+            "prediction_error_s": None if actual is None else actual - predicted, "actual_cached_tokens": engine}
+
+
+def test_relative_error_skips_the_warm_up_and_splits_by_action() -> None:
+    # The warm-up records (decided first, given out of order) are wildly off; the rest are 10% / 50% off.
+    records = [_rec(100.0 + i, "holder", 1.1, 1.0, hbm=512, engine=512) for i in range(6)]
+    records += [_rec(200.0 + i, "fetch", 1.5, 1.0, fetched=768, engine=768) for i in range(4)]
+    records += [_rec(float(i), "recompute", 0.01, 5.0) for i in range(3)]
+    s = summarize(list(reversed(records)), warmup=3)
+    assert s["records"] == 13 and s["warmup_decisions"] == 3
+    assert "recompute" not in s["relative_error"]
+    assert s["relative_error"]["holder"] == {"n": 6, "p50": pytest.approx(0.1), "p90": pytest.approx(0.1)}
+    assert s["relative_error"]["fetch"]["p50"] == pytest.approx(0.5)
+    assert s["relative_error"]["all"]["n"] == 10
+    assert s["median_prediction_error_s"]["recompute"] == pytest.approx(4.99)  # every record, warm-up included
+    assert s["reused_token_fraction"] == pytest.approx((6 * 512 + 4 * 768) / 13000)
+
+
+def test_plan_check_counts_what_the_engine_reused_against_the_plan() -> None:
+    records = [_rec(1, "holder", 1, 1, hbm=512, engine=512), _rec(2, "holder", 1, 1, hbm=512, engine=640),
+               _rec(3, "fetch", 1, 1, hbm=128, fetched=512, engine=512), _rec(4, "recompute", 1, None)]
+    pc = summarize(records, warmup=0)["plan_check"]
+    assert pc == {"compared": 3, "equal": 1, "under": 1, "over": 1, "under_tokens": 128, "over_tokens": 128}
+
+
+def test_no_records() -> None:
+    s = summarize([], warmup=10)
+    assert s["records"] == 0 and s["reused_token_fraction"] is None
+    assert s["relative_error"] == {"all": {"n": 0, "p50": None, "p90": None}}

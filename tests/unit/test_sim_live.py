@@ -1,0 +1,92 @@
+"""``bench.sim_live``: the live run as a trace, the costs its timelines show, and the simulator's connector fetch."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.agent import AgentWorkload, plan_sessions, workload_trace
+from bench.sim_live import live_costs, live_trace, policy_of
+from bench.simulate import SimConfig, connector_pick, simulate
+from configs.loader import load_gpus, load_models, load_tiers
+from router.cost import Hardware, prefill_flops
+from router.policies.base import PoolHit
+from router.policies.pricing import TierMap
+
+HW = Hardware(model=load_models()["tiny-qwen3"], gpu=load_gpus()["cpu-2core"], mfu=0.5, bw_util=0.8)
+TIERS = TierMap.from_tiers(load_tiers())
+
+
+def _req(session: int, turn: int, t: float, prompt: int | None) -> dict:
+    return {"session": session, "turn": turn, "sent_at_s": t, "prompt_tokens": prompt, "output_tokens": 8}
+
+
+def test_live_trace_shares_the_variant_prefix_and_extends_a_session_turn_by_turn() -> None:
+    log = [_req(0, 0, 0.0, 300), _req(1, 0, 1.0, 290), _req(0, 1, 5.0, 420), _req(2, 0, 2.0, 310),
+           _req(2, 1, 9.0, None)]  # a failed request has no prompt length: not replayed
+    trace = live_trace(log, {0: 0, 1: 0, 2: 1}, shared_tokens=256, block_tokens=128)
+    assert [r.timestamp_ms for r in trace] == [0.0, 1000.0, 2000.0, 5000.0]  # send order
+    s0t0, s1t0, s2t0, s0t1 = trace
+    assert s0t0.hash_ids[:2] == s1t0.hash_ids[:2]  # the shared system prompt of variant 0
+    assert s0t0.hash_ids[:2] != s2t0.hash_ids[:2]  # another variant
+    assert s0t0.hash_ids[2] != s1t0.hash_ids[2]  # past the shared part: each session its own
+    assert s0t1.hash_ids[:2] == s0t0.hash_ids[:2] and s0t1.hash_ids[2] != s0t0.hash_ids[2]  # partial -> full block
+    assert len(s0t1.hash_ids) == 4 and s0t1.input_length == 420
+    with pytest.raises(ValueError):
+        live_trace(log, {}, shared_tokens=0, block_tokens=0)
+
+
+def _record(t: float, prompt: int, cached: int, seconds: float, *, pool: bool) -> dict:
+    return {"decided_at": t, "prompt_tokens": prompt, "actual_cached_tokens": cached,
+            "timeline": {"ingress_s": 0.02, "transport_s": 0.01,
+                         "replica": {"scheduled_s": 1.0, "first_token_s": 1.0 + seconds},
+                         "pool": {"lookup_s": 0.004, "lease_s": 0.002} if pool else None}}
+
+
+def test_live_costs_fit_the_engine_prefill_and_the_per_request_costs() -> None:
+    # Prefills that take 0.05 s + FLOPs at 10% of the profile's peak: the fit must give both back.
+    peak = HW.gpu.bf16_tflops * 1e12
+    recs = [_record(float(i), p, c, 0.05 + prefill_flops(HW.model, p, c) / (0.1 * peak), pool=True)
+            for i, (p, c) in enumerate([(1000, 0), (2000, 1024), (3000, 0), (1500, 512), (2500, 2048), (800, 0)])]
+    got = live_costs(recs, HW)
+    assert got is not None and got.prefills == 6
+    assert got.mfu == pytest.approx(0.1, rel=1e-3)
+    assert got.pool_calls_s == pytest.approx(0.006)
+    assert got.prefill_overhead_s == pytest.approx(0.05 + 0.006, rel=1e-3)
+    assert got.request_overhead_s == pytest.approx(0.03)
+    assert live_costs([{"decided_at": 0.0}], HW) is None
+
+
+def test_policy_of_maps_the_anchor_and_the_pool_off_configurations() -> None:
+    assert policy_of("ray_serve_llm") == ("prefix_affinity", False)
+    assert policy_of("round_robin-nopool") == ("round_robin", False)
+    assert policy_of("cost_based") == ("cost_based", True)
+
+
+def test_connector_pick_takes_the_longest_run_then_the_own_node_then_dram() -> None:
+    hits = [PoolHit("s1", "n1", "ssd", 6), PoolHit("s0", "n0", "dram", 6), PoolHit("s1", "n1", "dram", 4)]
+    assert connector_pick(hits, 2, 10, "n0") == hits[1]
+    assert connector_pick(hits, 2, 10, "n1") == hits[0]  # own node beats the tier
+    assert connector_pick(hits, 2, 5, "n1") == hits[0]  # capped at the limit: 5 vs 4
+    assert connector_pick(hits, 6, 10, "n0") is None  # nothing beyond the HBM prefix
+
+
+def test_round_robin_with_the_pool_reuses_through_the_connector_fetch() -> None:
+    w = AgentWorkload(session_rate_per_s=1.0, system_prompt_words=600, turns_min=3, turns_max=3, seed=1)
+    records = workload_trace(w, plan_sessions(w, max_sessions=20), response_time_s=2.0, block_tokens=128)
+    base = dict(nodes=2, policy="round_robin", hw=HW, tier_map=TIERS, hbm_tokens=4096, pool_dram_tokens=1e6)
+    on = simulate(records, SimConfig(**base))  # type: ignore[arg-type]
+    off = simulate(records, SimConfig(**base, connector_fetch=False))  # type: ignore[arg-type]
+    assert off.hit_tokens["dram_local"] + off.hit_tokens["dram_remote"] == 0  # round_robin never plans a fetch
+    assert on.hit_tokens["dram_local"] + on.hit_tokens["dram_remote"] > 0
+    assert on.token_hit_rate > off.token_hit_rate
+
+
+def test_the_live_costs_reach_every_ttft() -> None:
+    w = AgentWorkload(session_rate_per_s=0.2, turns_min=1, turns_max=1, seed=2)
+    records = workload_trace(w, plan_sessions(w, max_sessions=5), block_tokens=128)
+    base = dict(nodes=2, policy="round_robin", hw=HW, tier_map=TIERS)
+    plain = simulate(records, SimConfig(**base))  # type: ignore[arg-type]
+    costly = simulate(records, SimConfig(**base, request_overhead_s=0.5))  # type: ignore[arg-type]
+    assert costly.ttft_s == pytest.approx(plain.ttft_s + 0.5)
+    with pytest.raises(ValueError, match="prefill_overhead_s"):
+        SimConfig(**base, prefill_overhead_s=-1.0)  # type: ignore[arg-type]
