@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.sim_cache import BlockCache, BlockHolders
 from router.cost import Hardware
@@ -37,6 +38,10 @@ class SimReplica:
     prefills: deque[tuple[float, float]] = field(default_factory=deque)
     decodes: list[float] = field(default_factory=list)  # heap of decode end times
     prefill_busy_s: float = 0.0
+    # engine_sharing "batch" (bench.simulate): [solo seconds left, job] of the prefills in flight, and when they
+    # were last advanced
+    ps_jobs: list[list[Any]] = field(default_factory=list)
+    ps_t: float = 0.0
 
     _last: ReplicaState | None = None
 

@@ -9,13 +9,15 @@ log and decision records) and simulates every configuration on what that run saw
   engine's block size: a session's turn k+1 prompt extends its turn k prompt, the first ``shared_prefix_tokens``
   (the system prompt and tools of the session's variant, sized with the model's tokenizer by ``live_compare``) are
   shared by the sessions of that variant; a partial last block gets an id of its own.
-- **the cluster**: the local one (2 nodes, one replica each; ``--nodes`` / ``--replicas-per-node``), each replica's
-  KV cache as configured (``kv_cache_memory_bytes`` / the model's KV bytes per token), the pool on or off as the
+- **the cluster**: the local one (2 nodes, one replica each; ``--nodes`` / ``--replicas-per-node``), each replica
+  running its prefills in flight together (``engine_sharing="batch"``: vLLM's continuous batching), its KV cache as
+  configured (``kv_cache_memory_bytes`` / the model's KV bytes per token), the pool on or off as the
   configuration ran, the policy it ran (the Ray Serve LLM anchor as ``prefix_affinity`` without a pool: its
   ``PrefixCacheAffinityRouter`` routes on the longest prefix match).
 - **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
-  engine's prefill rate fitted to the prefills it timed (scheduled → first token against the tokens it computed;
-  ``router.calibration.MfuEstimator``: MFU and the fixed cost per prefill), the pool's calls on the scheduler's thread
+  engine's prefill rate fitted to the prefills it timed alone (scheduled → first token against the tokens it
+  computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed cost
+  per prefill), the pool's calls on the scheduler's thread
   (lookup + lease) as a per-prefill cost, and the ingress + transport time as a per-request cost. The anchor has no
   timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
@@ -98,22 +100,33 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any) -> LiveCosts | Non
     est = MfuEstimator(hw, halflife=1e9, min_obs=5)
     outside: list[float] = []
     pool: list[float] = []
-    n = 0
+    prefills = []  # (replica, scheduled, first token, prompt, cached): the engine's own timestamps
     for r in sorted(records, key=lambda r: float(r.get("decided_at") or 0.0)):
         tl = r.get("timeline") or {}
         rep = tl.get("replica") or {}
         cached = r.get("actual_cached_tokens")
         if rep.get("first_token_s") is not None and rep.get("scheduled_s") is not None and cached is not None:
-            seconds = float(rep["first_token_s"]) - float(rep["scheduled_s"])
+            # The replica's stamps count from its receipt of the request; decided_at puts them on one clock (the
+            # router's, give or take the transport to the replica).
+            at = float(r.get("decided_at") or 0.0)
+            t0, t1 = at + float(rep["scheduled_s"]), at + float(rep["first_token_s"])
             prompt = int(r.get("prompt_tokens") or 0)
-            if seconds > 0 and prompt > int(cached):
-                est.observe(prompt, int(cached), seconds)
-                n += 1
+            if t1 > t0 and prompt > int(cached):
+                prefills.append((str(r.get("replica_id")), t0, t1, prompt, int(cached)))
         if tl.get("ingress_s") is not None and tl.get("transport_s") is not None:
             outside.append(float(tl["ingress_s"]) + float(tl["transport_s"]))
         p = tl.get("pool")
         if p:
             pool.append(float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0))
+    # The engine's rate is what one prefill alone costs: fit the prefills no other prefill of the same replica
+    # overlapped (the engine shares its compute among those in flight; the simulator models that sharing itself),
+    # all of them when fewer than 5 ran alone.
+    solo = [p for p in prefills if not any(q is not p and q[0] == p[0] and q[1] < p[2] and p[1] < q[2]
+                                           for q in prefills)]
+    fit = solo if len(solo) >= 5 else prefills
+    for _rid, t0, t1, prompt, cached in fit:
+        est.observe(prompt, cached, t1 - t0)
+    n = len(fit)
     if n == 0 and not outside:
         return None
     pool_s = statistics.median(pool) if pool else 0.0
@@ -200,7 +213,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
             prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
-            request_overhead_s=c.request_overhead_s if c else 0.0))
+            request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch"))
         live_ttft = ttfts(e["result"])
         live.setdefault(config, []).extend(live_ttft)
         sim.setdefault(config, []).extend(result.ttft_s.tolist())

@@ -77,6 +77,10 @@ class SimConfig:
     # scheduler's thread), and to every TTFT outside the replica (ingress, transport to and from the replica).
     prefill_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    # How a replica runs the prefills it was given: "fifo", one after another (the default); "batch", all in flight
+    # at once sharing its compute evenly (vLLM's continuous batching with chunked prefill: what ``bench.sim_live``
+    # compares with a live engine).
+    engine_sharing: Literal["fifo", "batch"] = "fifo"
     # The replicas' connector loads the longest pool prefix beyond the HBM prefix when the router planned no fetch
     # (what the live replicas do: ``connector_pick``); False: only the router's FETCH / SPLIT plans move blocks.
     connector_fetch: bool = True
@@ -92,6 +96,8 @@ class SimConfig:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if self.engine_sharing not in ("fifo", "batch"):
+            raise ValueError(f"engine_sharing must be fifo or batch, got {self.engine_sharing!r}")
         if self.pool_write not in ("computed", "all", "none"):
             raise ValueError(f"pool_write must be computed, all or none, got {self.pool_write!r}")
 
@@ -125,6 +131,7 @@ class SimConfig:
             "prefill_overhead_s": self.prefill_overhead_s,
             "request_overhead_s": self.request_overhead_s,
             "connector_fetch": self.connector_fetch,
+            "engine_sharing": self.engine_sharing,
         }
 
 
@@ -266,7 +273,6 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
     decisions: Counter[str] = Counter()
     prefill_gpu_s = fetch_s = 0.0
     prompt_total = 0
-    makespan = 0.0
     per_replica = [0] * cluster.n_replicas
     commits: list[tuple[float, int, int, list[int], list[int]]] = []  # (time, seq, shard, blocks, tokens)
     seq = 0
@@ -274,8 +280,27 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                ("ssd", True): "ssd_local", ("ssd", False): "ssd_remote"}
     replicas = cluster.replicas
 
+    shared = config.engine_sharing == "batch"
+    makespan_box = [0.0]
+
+    def finish(rep: SimReplica, job: _Job, end_t: float) -> None:
+        """What a prefill's end decides: its TTFT, its decode, its blocks' commit to the node's shard."""
+        nonlocal seq
+        ttfts[job.k] = end_t - job.arrival + config.request_overhead_s
+        decode_end = end_t + job.output_length * _decode_step_s(hw, job.prompt + job.output_length // 2)
+        heapq.heappush(rep.decodes, decode_end)
+        makespan_box[0] = max(makespan_box[0], decode_end)
+        if job.new_blocks:
+            heapq.heappush(commits, (end_t, seq, rep.shard_index, job.new_blocks, job.new_tokens))
+            seq += 1
+
     for k, rec in enumerate(records):
         now = rec.timestamp_s
+        if shared:
+            for rep in replicas:
+                if rep.ps_jobs:
+                    _ps_advance(rep, now, finish)
+                    _ps_queue(rep, now)
         while commits and commits[0][0] <= now:
             _t, _s, shard_i, done_blocks, done_tokens = heapq.heappop(commits)
             cluster.shards[shard_i].commit(done_blocks, done_tokens)
@@ -302,7 +327,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         hit["hbm"] += cum[hbm_blocks]
         service = 0.0
         fetch_t = 0.0
-        start = now if rep.free_at <= now else rep.free_at
+        start = now if shared or rep.free_at <= now else rep.free_at  # batch: a prefill starts on arrival
         plan = d.fetch
         source: tuple[str, str, int, int] | None = None  # (shard id, storage tier, first block, end block)
         if plan is not None and d.action in (Action.FETCH, Action.SPLIT):
@@ -346,35 +371,41 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         compute = t_prefill(model, gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[cached_blocks])
         prefill_gpu_s += compute
         service += compute + config.prefill_overhead_s
-        end_t = start + service
-        rep.free_at = end_t
-        cluster.mark_busy(rep)
-        rep.prefills.append((start, end_t))
         rep.prefill_busy_s += service
-        ttft = end_t - now + config.request_overhead_s
-        ttfts[k] = ttft
         preds[k] = d.predicted_ttft_s
         lat[k] = d.decision_latency_s
         decisions[str(d.action)] += 1
         per_replica[rep.index] += 1
-        decode_end = end_t + rec.output_length * _decode_step_s(hw, prompt + rec.output_length // 2)
-        heapq.heappush(rep.decodes, decode_end)
-        makespan = max(makespan, decode_end)
         rep.hbm.admit(blocks, lengths)
         if cluster.pool_enabled and config.pool_touch and hbm_blocks:
             node_shard = cluster.shards[rep.shard_index]
             node_shard.dram.touch(blocks[:hbm_blocks])
             node_shard.ssd.touch(blocks[:hbm_blocks])
+        new_blocks: list[int] = []
+        new_tokens: list[int] = []
         if cluster.pool_enabled and config.pool_write != "none":
             if config.pool_write == "all":
                 new_blocks, new_tokens = blocks, lengths
             else:  # what this prefill computed: a SPLIT's head and everything after the reused prefix
                 new_blocks = blocks[hbm_blocks:head_blocks] + blocks[cached_blocks:]
                 new_tokens = lengths[hbm_blocks:head_blocks] + lengths[cached_blocks:]
-            if new_blocks:
-                heapq.heappush(commits, (end_t, seq, rep.shard_index, new_blocks, new_tokens))
-                seq += 1
+        job = _Job(k, now, rec.output_length, prompt, new_blocks, new_tokens)
+        if shared:
+            if not rep.ps_jobs:  # an idle engine starts now (a busy one was advanced to now above)
+                rep.ps_t = now
+            rep.ps_jobs.append([service, job])
+            _ps_queue(rep, now)
+            cluster.mark_busy(rep)
+        else:
+            end_t = start + service
+            rep.free_at = end_t
+            cluster.mark_busy(rep)
+            rep.prefills.append((start, end_t))
+            finish(rep, job, end_t)
 
+    if shared:  # the prefills still running at the end of the trace
+        for rep in replicas:
+            _ps_advance(rep, math.inf, finish)
     evicted = {"hbm": sum(r.hbm.evicted_tokens for r in replicas)}
     if cluster.pool_enabled:
         evicted["dram"] = sum(s.dram.evicted_tokens for s in cluster.shards)
@@ -391,12 +422,55 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         fetch_bytes=fetch_bytes,
         decisions=dict(decisions),
         decision_latency_s=lat,
-        makespan_s=makespan,
+        makespan_s=makespan_box[0],
         wall_s=time.perf_counter() - wall0,
         evicted_tokens=evicted,
         per_replica_requests=per_replica,
         replica_busy_s=sum(r.prefill_busy_s for r in replicas),
     )
+
+
+@dataclass(slots=True)
+class _Job:
+    """A dispatched prefill, until its end is known."""
+
+    k: int  # index of the request in the trace
+    arrival: float
+    output_length: int
+    prompt: int
+    new_blocks: list[int]  # what it computed, committed to the node's shard when it ends
+    new_tokens: list[int]
+
+
+def _ps_advance(rep: SimReplica, t: float, finish: Any) -> None:
+    """Run ``rep``'s shared engine up to ``t``: the prefills in flight split its compute evenly (vLLM's continuous
+    batching); each that completes is ``finish``ed at its end time."""
+    jobs, tt = rep.ps_jobs, rep.ps_t
+    while jobs:
+        n = len(jobs)
+        m = min(j[0] for j in jobs)
+        if tt + m * n <= t:
+            tt += m * n
+            for j in jobs:
+                j[0] -= m
+            done = [j for j in jobs if j[0] <= 1e-12]
+            jobs[:] = [j for j in jobs if j[0] > 1e-12]
+            for j in done:
+                finish(rep, j[1], tt)
+        else:
+            step = (t - tt) / n
+            for j in jobs:
+                j[0] -= step
+            tt = t
+            break
+    rep.ps_t = tt if jobs else max(tt, t) if math.isfinite(t) else tt
+
+
+def _ps_queue(rep: SimReplica, now: float) -> None:
+    """What the router sees of a shared engine: every prefill in flight running, the work left as its queue."""
+    rep.free_at = now + sum(j[0] for j in rep.ps_jobs)
+    rep.prefills.clear()
+    rep.prefills.extend((now, rep.free_at) for _ in rep.ps_jobs)
 
 
 def connector_pick(hits: Sequence[PoolHit], hbm_blocks: int, limit: int, node_id: str) -> PoolHit | None:

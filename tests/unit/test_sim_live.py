@@ -90,3 +90,22 @@ def test_the_live_costs_reach_every_ttft() -> None:
     assert costly.ttft_s == pytest.approx(plain.ttft_s + 0.5)
     with pytest.raises(ValueError, match="prefill_overhead_s"):
         SimConfig(**base, prefill_overhead_s=-1.0)  # type: ignore[arg-type]
+
+
+def test_batch_sharing_splits_the_engine_between_the_prefills_in_flight() -> None:
+    from bench.traces import TraceRecord
+    from router.cost import t_prefill
+
+    solo = t_prefill(HW.model, HW.gpu, 1024, mfu=HW.mfu)
+    # two prompts at t=0 and a third at solo/2, nothing shared, one replica
+    recs = [TraceRecord(0, 0.0, 1024, 1, (1, 2), 512), TraceRecord(1, 0.0, 1024, 1, (3, 4), 512),
+            TraceRecord(2, 1000.0 * solo / 2, 1024, 1, (5, 6), 512)]
+    base = dict(nodes=1, policy="round_robin", hw=HW, tier_map=TIERS)
+    fifo = simulate(recs, SimConfig(**base)).ttft_s  # type: ignore[arg-type]
+    batch = simulate(recs, SimConfig(**base, engine_sharing="batch")).ttft_s  # type: ignore[arg-type]
+    assert fifo == pytest.approx([solo, 2 * solo, 2.5 * solo])
+    # halves until solo/2 (a quarter of the work each done), then thirds: the first two need 3 · 3/4 more and end at
+    # 2.75·solo; the third has done 3/4 by then and ends a quarter later, at 3·solo (sent at solo/2)
+    assert batch == pytest.approx([2.75 * solo, 2.75 * solo, 2.5 * solo])
+    with pytest.raises(ValueError, match="engine_sharing"):
+        SimConfig(**base, engine_sharing="lifo")  # type: ignore[arg-type]
