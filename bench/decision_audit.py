@@ -13,12 +13,18 @@ Input: the records as JSON dicts (``router.decision.DecisionRecord`` as msgspec 
                                        compared, equal (planned HBM + fetched tokens == what the engine reused),
                                        under / over (the engine reused more / less than planned), and the tokens
                                        of those differences — the router's view of the HBM prefixes at decision time
+    outside_router_s                   with the client's request log (``requests``: ``bench agent --save-requests``):
+                                       client TTFT − the router's (``actual_ttft_s``: ingress handler start to the
+                                       first chunk at the ingress) per request, p50 / p90 / max — the time spent in
+                                       the HTTP proxy, the client and the queues before the ingress, which no
+                                       decision sees. Matched by the completion id, else (older logs) by prompt
+                                       length in send order (``matched_by``).
 Pure (no I/O). Called by ``bench.live_compare`` (after each run, and again when a report is rebuilt from a work dir).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,8 +41,34 @@ def _quantiles(values: list[float]) -> dict[str, Any]:
     return {"n": int(arr.size), "p50": float(np.quantile(arr, 0.5)), "p90": float(np.quantile(arr, 0.9))}
 
 
-def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WARMUP) -> dict[str, Any]:
-    """The module docstring's summary of one run's records."""
+def outside_router(ordered: Sequence[Mapping[str, Any]], requests: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Client TTFT − router TTFT per matched request (``ordered``: the records by decision time)."""
+    timed = [r for r in requests if r.get("ttft_s") is not None and not r.get("error")]
+    by_id = {str(r.get("request_id")): r for r in ordered if r.get("actual_ttft_s") is not None}
+    gaps: list[float] = []
+    if any(r.get("response_id") for r in timed):
+        matched_by = "completion id"
+        for q in timed:
+            rec = by_id.get(str(q.get("response_id")))
+            if rec is not None:
+                gaps.append(float(q["ttft_s"]) - float(rec["actual_ttft_s"]))
+    else:
+        matched_by = "prompt tokens"
+        queues: dict[int, list[Mapping[str, Any]]] = {}
+        for rec in by_id.values():
+            queues.setdefault(int(rec.get("prompt_tokens") or -1), []).append(rec)
+        for q in sorted(timed, key=lambda r: float(r.get("sent_at_s") or 0.0)):
+            same = queues.get(int(q.get("prompt_tokens") or -2))
+            if same:
+                gaps.append(float(q["ttft_s"]) - float(same.pop(0)["actual_ttft_s"]))
+    out = _quantiles(gaps)
+    out.update(max=max(gaps) if gaps else None, mean=float(np.mean(gaps)) if gaps else None, matched_by=matched_by)
+    return out
+
+
+def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WARMUP,
+              requests: Iterable[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The module docstring's summary of one run's records (and, with ``requests``, the client's view of them)."""
     ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
     by_replica: dict[str, int] = {}
     errors: dict[str, list[float]] = {}
@@ -67,7 +99,9 @@ def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WAR
                 over, over_tokens = over + 1, over_tokens - diff
     rel = {a: _quantiles(v) for a, v in sorted(relative.items())}
     rel["all"] = _quantiles([x for v in relative.values() for x in v])
+    extra = {} if requests is None else {"outside_router_s": outside_router(ordered, requests)}
     return {
+        **extra,
         "records": len(ordered),
         "by_replica": by_replica,
         "reused_token_fraction": (reused / prompt) if prompt else None,

@@ -193,7 +193,8 @@ def warm_up(endpoint: str, model: str, n: int, *, reset: bool = True) -> dict[st
     return {"requests": n, "seconds": times, "prefix_cache_reset_ok": ok}
 
 
-def fetch_decisions(endpoint: str, n: int, path: Path) -> dict[str, Any]:
+def fetch_decisions(endpoint: str, n: int, path: Path, requests: list[dict[str, Any]] | None = None
+                    ) -> dict[str, Any]:
     """The router's newest ``n`` decision records (the run's, when ``n`` is the run's decision count), saved to
     ``path``, summarised by ``bench.decision_audit.summarize``. Never fatal: a failure is recorded instead."""
     import httpx
@@ -208,7 +209,7 @@ def fetch_decisions(endpoint: str, n: int, path: Path) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
     records = sorted(records, key=lambda r: r.get("decided_at", 0.0))[-n:] if n > 0 else []
     path.write_text(json.dumps(records, indent=1, sort_keys=True))
-    return decision_audit.summarize(records)
+    return decision_audit.summarize(records, requests=requests)
 
 
 def agent_argv(args: argparse.Namespace, endpoint: str, label: str, out: Path) -> list[str]:
@@ -261,7 +262,8 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         entry["result"] = json.loads(result_file.read_text())
         if is_kvstack(policy):
             n_decisions = int(sum((entry["result"].get("router") or {}).get("decisions_by_action", {}).values()))
-            entry["decisions"] = fetch_decisions(endpoint, n_decisions, pdir / "decisions.json")
+            entry["decisions"] = fetch_decisions(endpoint, n_decisions, pdir / "decisions.json",
+                                                 entry["result"].get("request_log"))
         print(f"[live-compare] {policy}: {entry['result']['requests']} TTFT p50 "
               f"{entry['result']['ttft_s']['p50']}", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one policy's failure is recorded; the next policy still runs
@@ -478,8 +480,9 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
         lines += ["Decision audit (`/kvstack/decisions`, the run's records; `bench.decision_audit`): requests per "
                   "replica, reused-token fraction (HBM + fetched / prompt), median actual − predicted TTFT per "
                   "action, the relative prediction error per action after the run's first decisions (issue 13: "
-                  "median <= 0.25), and whether the planned reuse is what the engine reused (the router's view of "
-                  "the caches at decision time).", ""]
+                  "median <= 0.25), whether the planned reuse is what the engine reused (the router's view of "
+                  "the caches at decision time), and the client's TTFT less the router's (time outside the "
+                  "router's view: HTTP proxy, client, queues before the ingress).", ""]
         for name, a in audits:
             if "error" in a:
                 lines.append(f"- {name}: audit unavailable ({a['error'][:200]})")
@@ -492,9 +495,12 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
             plan = (f"; planned reuse = engine's on {pc['equal']}/{pc['compared']} (engine reused more on "
                     f"{pc['under']}, {pc['under_tokens']:,} tok; less on {pc['over']}, {pc['over_tokens']:,} tok)"
                     if pc.get("compared") else "")
+            out = a.get("outside_router_s") or {}
+            outside = (f"; client − router TTFT p50 {_f(out.get('p50'))} / p90 {_f(out.get('p90'))} / max "
+                       f"{_f(out.get('max'))} s (n {out['n']}, by {out.get('matched_by')})" if out.get("n") else "")
             lines.append(f"- {name}: {a['records']} records; per replica {_kv(a['by_replica'])}; reused "
                          f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}; |predicted − actual| "
-                         f"/ actual p50 / p90 after {a.get('warmup_decisions', 0)} decisions: {rels}{plan}")
+                         f"/ actual p50 / p90 after {a.get('warmup_decisions', 0)} decisions: {rels}{plan}{outside}")
         lines.append("")
     pooled = agg.get("ttft_pooled") or {}
     if pooled:
@@ -692,7 +698,8 @@ def report_from_work_dir(work: Path, out: Path) -> int:
     for e in entries:  # the audit again from the saved records (the summary may have grown since the run)
         records = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
         if e.get("decisions") and records.exists():
-            e["decisions"] = decision_audit.summarize(json.loads(records.read_text()))
+            e["decisions"] = decision_audit.summarize(json.loads(records.read_text()),
+                                                      requests=(e.get("result") or {}).get("request_log"))
     write_report(entries, meta, out)
     print(f"[live-compare] rewrote {out / 'report.md'} from {work}", file=sys.stderr)
     return 0

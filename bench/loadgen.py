@@ -39,6 +39,7 @@ class RequestRecord:
     e2e_s: float | None = None
     error: str | None = None
     cancelled: bool = False
+    response_id: str | None = None  # the server's id of the completion (the router's decision record has it too)
     text: str = field(default="", repr=False)
 
     @property
@@ -124,6 +125,8 @@ async def measure_stream(record: RequestRecord, open_stream: Callable[[], Any], 
     try:
         stream: AsyncIterator[Any] = await open_stream()
         async for chunk in stream:
+            if record.response_id is None:
+                record.response_id = getattr(chunk, "id", None)
             text, produced = _chunk_output(chunk)
             if produced:
                 now = clock()

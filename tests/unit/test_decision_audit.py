@@ -40,3 +40,19 @@ def test_no_records() -> None:
     s = summarize([], warmup=10)
     assert s["records"] == 0 and s["reused_token_fraction"] is None
     assert s["relative_error"] == {"all": {"n": 0, "p50": None, "p90": None}}
+
+
+def test_outside_router_matches_the_client_log_by_completion_id_or_prompt_length() -> None:
+    recs = [dict(_rec(1.0, "holder", 1, 0.5), request_id="chatcmpl-a", prompt_tokens=100),
+            dict(_rec(2.0, "fetch", 1, 0.25), request_id="chatcmpl-b", prompt_tokens=200)]
+    by_id = [{"response_id": "chatcmpl-b", "ttft_s": 1.25, "sent_at_s": 0.0, "prompt_tokens": 200},
+             {"response_id": "chatcmpl-a", "ttft_s": 0.75, "sent_at_s": 1.0, "prompt_tokens": 100},
+             {"response_id": "chatcmpl-x", "ttft_s": None, "error": "APITimeoutError", "sent_at_s": 2.0}]
+    out = summarize(recs, warmup=0, requests=by_id)["outside_router_s"]
+    assert out["matched_by"] == "completion id" and out["n"] == 2
+    assert out["max"] == pytest.approx(1.0) and out["mean"] == pytest.approx(0.625)
+    by_len = [{"ttft_s": 0.75, "sent_at_s": 0.0, "prompt_tokens": 100}, {"ttft_s": 0.5, "sent_at_s": 1.0,
+                                                                         "prompt_tokens": 200}]
+    out = summarize(recs, warmup=0, requests=by_len)["outside_router_s"]
+    assert out["matched_by"] == "prompt tokens" and out["n"] == 2 and out["max"] == pytest.approx(0.25)
+    assert "outside_router_s" not in summarize(recs, warmup=0)
