@@ -18,8 +18,10 @@ log and decision records) and simulates every configuration on what that run saw
   engine's prefill rate fitted to the prefills it timed alone (scheduled → first token against the tokens it
   computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed cost
   per prefill), the pool's calls on the scheduler's thread
-  (lookup + lease) as a per-prefill cost, and the ingress + transport time as a per-request cost. The anchor has no
-  timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
+  (lookup + lease) as a per-prefill cost, and as a per-request cost the ingress + transport time plus the time
+  outside the router's view (the client's TTFT less the router's, median: HTTP proxy, client, queues before the
+  ingress; ``bench.decision_audit.outside_router``). The anchor has no timeline: it is priced with the pool-less
+  kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
 the order of the configurations by p50.
 
@@ -87,14 +89,17 @@ class LiveCosts:
 
     mfu: float
     prefill_overhead_s: float  # the fitted fixed cost of a prefill (intercept), plus the pool's scheduler calls
-    request_overhead_s: float  # ingress + transport, median
+    request_overhead_s: float  # ingress + transport, median, plus outside_router_s
     prefills: int  # prefills the fit saw
     pool_calls_s: float  # lookup + lease per request, median (0 without the pool)
+    outside_router_s: float = 0.0  # client TTFT − router TTFT, median (HTTP proxy, client): no timeline sees it
 
 
-def live_costs(records: Sequence[Mapping[str, Any]], hw: Any) -> LiveCosts | None:
-    """Fit the engine's prefill (MFU + fixed cost) and the per-request costs from a run's decision records; None
-    when the records carry no timeline."""
+def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
+               requests: Sequence[Mapping[str, Any]] | None = None) -> LiveCosts | None:
+    """Fit the engine's prefill (MFU + fixed cost) and the per-request costs from a run's decision records (and,
+    with the client's ``requests``, the time outside the router's view: ``bench.decision_audit.outside_router``);
+    None when the records carry no timeline."""
     from router.calibration import MfuEstimator
 
     est = MfuEstimator(hw, halflife=1e9, min_obs=5)
@@ -130,9 +135,15 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any) -> LiveCosts | Non
     if n == 0 and not outside:
         return None
     pool_s = statistics.median(pool) if pool else 0.0
+    gap = 0.0
+    if requests:
+        from bench.decision_audit import outside_router
+
+        ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
+        gap = max(0.0, float(outside_router(ordered, requests).get("p50") or 0.0))
     return LiveCosts(mfu=est.mfu, prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
-                     request_overhead_s=statistics.median(outside) if outside else 0.0, prefills=n,
-                     pool_calls_s=pool_s)
+                     request_overhead_s=(statistics.median(outside) if outside else 0.0) + gap, prefills=n,
+                     pool_calls_s=pool_s, outside_router_s=gap)
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -191,7 +202,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     for e in entries:
         f = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
         if f.exists():
-            got = live_costs(json.loads(f.read_text()), base_hw)
+            got = live_costs(json.loads(f.read_text()), base_hw, e["result"].get("request_log"))
             if got is not None:
                 costs.setdefault(e["policy"], got)  # the first run of a configuration prices all of its runs
     fallback = next((costs[c] for c in costs if c.endswith(NO_POOL)), next(iter(costs.values()), None))
@@ -265,7 +276,8 @@ def render(doc: Mapping[str, Any]) -> str:
         c = r["costs"] or {}
         lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e}, per prefill "
                      f"{c.get('prefill_overhead_s', 0.0):.3f} s (pool calls {c.get('pool_calls_s', 0.0):.3f} s), "
-                     f"per request {c.get('request_overhead_s', 0.0):.3f} s ({r['costs_from']}); sim decisions "
+                     f"per request {c.get('request_overhead_s', 0.0):.3f} s (outside the router "
+                     f"{c.get('outside_router_s', 0.0):.3f} s) ({r['costs_from']}); sim decisions "
                      f"{r['sim_decisions']}")
     return "\n".join(lines) + "\n"
 

@@ -54,6 +54,12 @@ def test_live_costs_fit_the_engine_prefill_and_the_per_request_costs() -> None:
     assert got.prefill_overhead_s == pytest.approx(0.05 + 0.006, rel=1e-3)
     assert got.request_overhead_s == pytest.approx(0.03)
     assert live_costs([{"decided_at": 0.0}], HW) is None
+    # the client's view adds the time outside the router (median of client − router TTFT)
+    ids = [dict(r, request_id=f"c{i}", actual_ttft_s=1.0) for i, r in enumerate(recs)]
+    client = [{"response_id": f"c{i}", "ttft_s": 1.0 + 0.1 * i, "sent_at_s": float(i)} for i in range(6)]
+    with_client = live_costs(ids, HW, client)
+    assert with_client is not None and with_client.outside_router_s == pytest.approx(0.25)
+    assert with_client.request_overhead_s == pytest.approx(0.03 + 0.25)
 
 
 def test_policy_of_maps_the_anchor_and_the_pool_off_configurations() -> None:
