@@ -121,6 +121,9 @@ class PoolSettings(Strict):
     ssd_dir: str | None = Field(default=None, description="directory for the SSD tier (a local NVMe mount)")
     ssd_bytes: int = Field(default=0, ge=0, description="SSD tier capacity per node shard, bytes (0: no SSD tier)")
     transfer_backend: TransferBackend = "nixl"
+    shared_memory: bool = Field(
+        default=True, description="replicas reach their own node's shard through shared memory (one memory copy), "
+                                  "other nodes' shards through transfer_backend")
     metrics_port: int | None = Field(
         default=9101, ge=1024, le=65535, description="HTTP port of the shard's Prometheus exposition (None: off)"
     )

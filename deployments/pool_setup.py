@@ -37,7 +37,7 @@ def shard_config(engine: EngineSettings, pool: PoolSettings, node: PoolNode) -> 
     return ShardConfig(
         shard_id=shard_id,
         store=StoreConfig(slot_bytes=slot, dram_slots=max(1, pool.dram_bytes // slot), ssd_dir=ssd_dir,
-                          ssd_slots=ssd_slots),
+                          ssd_slots=ssd_slots, shared_arena=pool.shared_memory),
         backend=pool.transfer_backend,
         metrics_port=pool.metrics_port or 0,
     )

@@ -66,6 +66,7 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_lease_ttl_s: float = 600.0
     verify_dram_on_lease: bool = True
     event_log_capacity: int = 65536
+    shared_arena: bool = False  # the DRAM arena in a memfd same-host clients map (kvpool.transfer.shm)
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0 or self.dram_slots <= 0:
@@ -213,7 +214,7 @@ class BlockStore:
         self.epoch = uuid.uuid4().hex
         self._clock = clock
         self.metrics = metrics if metrics is not None else PoolMetrics(shard_id)
-        self.arena = DramArena(config.slot_bytes, config.dram_slots)
+        self.arena = DramArena(config.slot_bytes, config.dram_slots, shared=config.shared_arena)
         self.ssd: SsdSlab | None = None
         if config.ssd_slots and config.ssd_dir:
             self.ssd = SsdSlab(Path(config.ssd_dir), config.slot_bytes, config.ssd_slots)

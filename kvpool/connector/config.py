@@ -41,6 +41,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``load`` / ``save``: switch either direction off (e.g. a read-only replica).
     - ``save_staging_bytes``: the background saver's staging memory per worker, the bound on save bytes in flight
       (``kvpool.connector.saver``); blocks that find it full are not saved.
+    - ``shared_memory``: reach the own node's shard through shared memory (``kvpool.transfer.shm``: loads and saves
+      are one memory copy) when it exports its arena; the other shards, and a shard that does not export, through
+      ``backend``.
     """
 
     shards: list[ShardRef] = []
@@ -60,6 +63,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     save_staging_bytes: int = 256 << 20  # np.zeros: pages are touched only as slots are used
     load: bool = True
     save: bool = True
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s",

@@ -5,7 +5,8 @@ reserve / commit / abort of saves) each own one ``PoolShards``. Every call goes 
 (typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip
 (``kvpool.shard.client.lookup_many``). A shard that does
 not answer is a miss on the read path (``ShardUnavailableError`` is caught by the callers), never a crash.
-``KnownPeers`` is the worker role's (and its saver's) record of which shards' transfer metadata an endpoint holds.
+``KnownPeers`` is the worker role's (and its saver's) record of which shards' transfer metadata an endpoint holds, and
+of which of them it reaches through shared memory (the shard on its own node, ``kvpool.transfer.shm``).
 The engine's processes are not Ray workers: ``ensure_ray`` joins the cluster as a driver and stops the driver's
 GCS error poller (``stop_driver_error_listener``), which otherwise takes CPU from the engine's own core.
 """
@@ -27,27 +28,72 @@ REDISCOVER_S = 10.0  # at most one registry listing per this many seconds
 class KnownPeers:
     """The shard agents whose transfer metadata ``endpoint`` holds, by the shard epoch it came from: ``ensure`` fetches
     and adds a shard's metadata only when it has none of that epoch (first contact, the shard restarted, or a
-    failure made the caller ``forget`` it). One per endpoint, used from one thread."""
+    failure made the caller ``forget`` it). One per endpoint, used from one thread.
 
-    def __init__(self, endpoint: Any) -> None:
+    With a ``same_host`` endpoint (``kvpool.transfer.shm``) it also maps the shards that export their arena to this
+    host: ``ensure(..., fetch_same_host=...)`` tries once per shard epoch (a refusal — another host, no export, an old
+    shard — is logged and remembered: that epoch goes through ``endpoint``), and ``endpoint_for`` names the endpoint
+    to move a shard's bytes with. Buffers are registered with both (``register``: the same region id in each)."""
+
+    def __init__(self, endpoint: Any, same_host: Any = None) -> None:
         self._endpoint = endpoint
+        self._same_host = same_host
         self._epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata the endpoint holds
+        self._shared: dict[str, str] = {}  # agent name -> shard epoch mapped through ``same_host``
+        self._refused: dict[str, str] = {}  # agent name -> shard epoch ``same_host`` could not map
 
-    def ensure(self, agent_name: str, epoch: str, fetch_metadata: Any) -> None:
-        """Trust the shard's current transfer metadata; ``fetch_metadata()`` returns its encoded metadata."""
-        if self._epochs.get(agent_name) == epoch:
-            return
+    def register(self, buffer: memoryview) -> int:
+        """Register local memory with the endpoint (and ``same_host``); returns its region id (the same in both)."""
+        rid = self._endpoint.register(buffer)
+        if self._same_host is not None and self._same_host.register(buffer) != rid:
+            raise RuntimeError("the shared-memory endpoint's regions diverged from the transfer endpoint's")
+        return rid
+
+    def ensure(self, agent_name: str, epoch: str, fetch_metadata: Any, fetch_same_host: Any = None) -> None:
+        """Trust the shard's current transfer metadata; ``fetch_metadata()`` returns its encoded metadata and
+        ``fetch_same_host()`` (when given: the shard may be reached through shared memory) its shared-memory one."""
         from kvpool.transfer.base import decode_metadata
 
-        self._endpoint.add_peer(decode_metadata(fetch_metadata()))
-        self._epochs[agent_name] = epoch
+        if self._epochs.get(agent_name) != epoch:
+            self._endpoint.add_peer(decode_metadata(fetch_metadata()))
+            self._epochs[agent_name] = epoch
+        if (self._same_host is None or fetch_same_host is None or self._shared.get(agent_name) == epoch
+                or self._refused.get(agent_name) == epoch):
+            return
+        try:
+            self._same_host.add_peer(decode_metadata(fetch_same_host()))
+        except Exception as exc:  # noqa: BLE001 - shared memory is a shortcut; the transfer endpoint still works
+            log.info("kvpool connector: %s is not reachable through shared memory (%s); using %s", agent_name,
+                     exc, getattr(self._endpoint, "backend", "the transfer endpoint"))
+            self._shared.pop(agent_name, None)
+            self._refused[agent_name] = epoch
+        else:
+            self._shared[agent_name] = epoch
+
+    def endpoint_for(self, agent_name: str) -> Any:
+        """The endpoint that moves this shard's bytes: shared memory when it is mapped for the shard's current
+        epoch, else the transfer endpoint."""
+        if self._same_host is not None and agent_name in self._shared and \
+                self._shared[agent_name] == self._epochs.get(agent_name):
+            return self._same_host
+        return self._endpoint
 
     def forget(self, agent_name: str | None = None) -> None:
         """Refetch the metadata of ``agent_name`` (of every shard when None) on the next ``ensure``."""
         if agent_name is None:
             self._epochs.clear()
+            self._shared.clear()
+            self._refused.clear()
         else:
             self._epochs.pop(agent_name, None)
+            self._shared.pop(agent_name, None)
+            self._refused.pop(agent_name, None)
+
+    def close(self) -> None:
+        """Close the endpoints."""
+        self._endpoint.close()
+        if self._same_host is not None:
+            self._same_host.close()
 
 
 class PoolShards:

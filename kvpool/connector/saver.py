@@ -5,10 +5,10 @@ Who calls what: ``WorkerSide.wait_for_save`` (vLLM's model runner, after every f
 staging slots — one memcpy per block, on the model runner's thread; nothing else happens there — because a KV
 cache block may be freed and reused as soon as the step ends (a preempted request's blocks are, at once), so
 nothing may read the cache later. It then queues one job and returns. The saver's thread takes the jobs in order:
-one reservation on the shard, one transfer write from the staging slots (with its *own* transfer endpoint, so it
-never shares state with the loads the model runner's thread runs), one commit with the checksums of the staged
-bytes (the shard verifies them). The reserve and commit calls are deadline-bounded shard calls; the write has
-``save_deadline_s``.
+one reservation on the shard, one transfer write from the staging slots (with its *own* endpoints, so it never shares
+state with the loads the model runner's thread runs; a memory copy when the shard exports its arena through shared
+memory, ``kvpool.transfer.shm``), one commit with the checksums of the staged bytes (the shard verifies them). The
+reserve and commit calls are deadline-bounded shard calls; the write has ``save_deadline_s``.
 
 The staging slots are the bound on bytes in flight (``ConnectorConfig.save_staging_bytes``): when none is free,
 the blocks are not saved (``SaveStats.blocks_dropped``) — a future miss, never a wait on the forward path. A failed
@@ -68,24 +68,26 @@ _STOP = object()
 
 class BlockSaver:
     """One background thread writing staged blocks to a shard. ``clients(shard_id)`` gives the ``ShardClient``
-    (the saver's own ``PoolShards``), ``endpoint`` is the saver's own transfer endpoint."""
+    (the saver's own ``PoolShards``); ``peers`` holds the saver's own endpoints (a bare ``TransferEndpoint`` is
+    wrapped): the transfer endpoint and, when there is one, the shared-memory one its node's shard is written
+    through (``kvpool.transfer.shm``)."""
 
-    def __init__(self, endpoint: TransferEndpoint, clients: Callable[[str], Any], forget: Callable[[str], None],
-                 *, slot_bytes: int, staging_bytes: int, deadline_s: float, name: str = "kvpool-saver") -> None:
+    def __init__(self, peers: KnownPeers | TransferEndpoint, clients: Callable[[str], Any],
+                 forget: Callable[[str], None], *, slot_bytes: int, staging_bytes: int, deadline_s: float,
+                 name: str = "kvpool-saver") -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.slot_bytes = slot_bytes
         self.n_slots = max(1, staging_bytes // slot_bytes)
         self.deadline_s = deadline_s
         self.stats = SaveStats()
-        self._endpoint = endpoint
+        self._peers = peers if isinstance(peers, KnownPeers) else KnownPeers(peers)
         self._clients = clients
         self._forget = forget
         self._staging = np.zeros(self.n_slots * slot_bytes, dtype=np.uint8)
-        self._staging_region = endpoint.register(memoryview(self._staging))
+        self._staging_region = self._peers.register(memoryview(self._staging))
         self._zero: np.ndarray | None = None
         self._zero_region = -1
-        self._peers = KnownPeers(endpoint)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -140,7 +142,7 @@ class BlockSaver:
         self.wait_idle(deadline_s)
         self._jobs.put(_STOP)
         self._thread.join(timeout=deadline_s)
-        self._endpoint.close()
+        self._peers.close()
 
     # ------------------------------------------------------------------ saver's thread
     def _run(self) -> None:
@@ -167,7 +169,7 @@ class BlockSaver:
         """Region id of a registered zero buffer of at least ``size`` bytes (slot padding)."""
         if self._zero is None or self._zero.size < size:
             self._zero = np.zeros(size, dtype=np.uint8)
-            self._zero_region = self._endpoint.register(memoryview(self._zero))
+            self._zero_region = self._peers.register(memoryview(self._zero))
         return self._zero_region
 
     def _write(self, job: _Job) -> None:
@@ -181,7 +183,8 @@ class BlockSaver:
             self.stats.blocks_no_room += len(job.keys) - n
             if not n:
                 return
-            self._peers.ensure(reply.agent_name, reply.epoch, client.transfer_metadata)
+            # The saver writes to its own node's shard: through shared memory when that shard exports its arena.
+            self._peers.ensure(reply.agent_name, reply.epoch, client.transfer_metadata, lambda: client.shm_metadata())
             ops: list[BlockOp] = []
             checksums: list[int] = []
             for slot, payload, remote_off in zip(job.slots[:n], job.payloads[:n], res.offsets[:n], strict=True):
@@ -194,7 +197,7 @@ class BlockSaver:
                     ops.append(BlockOp(reply.region_id, remote_off + payload, self._zeros(pad), 0, pad))
                 checksums.append(slot_checksum([self._staging[local : local + payload]], res.slot_bytes))
             t0 = time.perf_counter()
-            result = self._endpoint.write(reply.agent_name, ops, self.deadline_s)
+            result = self._peers.endpoint_for(reply.agent_name).write(reply.agent_name, ops, self.deadline_s)
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.bytes_written += result.bytes_moved
             commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint)

@@ -82,6 +82,15 @@ def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpo
     return TcpEndpoint(agent_name, options=msgspec.convert(opts, TcpOptions))
 
 
+def make_same_host_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint | None:
+    """The worker's shared-memory endpoint for its own node's shard (``kvpool.transfer.shm``), None when off."""
+    if not cfg.shared_memory:
+        return None
+    from kvpool.transfer.shm import ShmEndpoint
+
+    return ShmEndpoint(f"{agent_name}-shm")
+
+
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.cfg = cfg
@@ -121,7 +130,7 @@ class WorkerSide:
             return
         self._check_local_slot(geometry.slot_bytes_needed)
         self.endpoint = make_client_endpoint(self.cfg, self.agent_name)
-        self.peers = KnownPeers(self.endpoint)
+        self.peers = KnownPeers(self.endpoint, make_same_host_endpoint(self.cfg, self.agent_name))
         by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
         for ptr, nbytes in storages:
             storage = by_ptr[ptr].untyped_storage()
@@ -129,12 +138,14 @@ class WorkerSide:
             u8.set_(storage, 0, (nbytes,), (1,))
             arr = u8.numpy()
             self._arrays.append(arr)
-            self._regions.append(self.endpoint.register(memoryview(arr)))
+            self._regions.append(self.peers.register(memoryview(arr)))
         if self.cfg.save:
             saver_shards = PoolShards(self.cfg)  # its own clients: the saver's thread shares nothing with loads
-            self.saver = BlockSaver(make_client_endpoint(self.cfg, f"{self.agent_name}-saver"), saver_shards.client,
-                                    saver_shards.forget, slot_bytes=geometry.slot_bytes_needed,
-                                    staging_bytes=self.cfg.save_staging_bytes, deadline_s=self.cfg.save_deadline_s)
+            name = f"{self.agent_name}-saver"
+            peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name))
+            self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
+                                    slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
+                                    deadline_s=self.cfg.save_deadline_s)
 
     def _check_local_slot(self, needed: int) -> None:
         """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""
@@ -173,9 +184,13 @@ class WorkerSide:
             self._finished_recving.add(spec.req_id)
 
     def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
-        """Trust the shard's current transfer metadata (refetched when the shard restarted)."""
+        """Trust the shard's current transfer metadata (refetched when the shard restarted); the own node's shard
+        also through shared memory when it exports its arena."""
         assert self.peers is not None
-        self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id).transfer_metadata())
+        client = self.shards.client(shard_id)
+        same_node = shard_id == self.shards.local_shard_id()
+        self.peers.ensure(agent_name, epoch, client.transfer_metadata,
+                          (lambda: client.shm_metadata()) if same_node else None)
 
     def _load(self, spec: LoadSpec) -> None:
         geo = self.geometry
@@ -230,8 +245,10 @@ class WorkerSide:
         if ops:
             try:
                 self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
+                assert self.peers is not None
                 t0 = time.perf_counter()
-                result = self.endpoint.read(spec.agent_name, ops, self.cfg.transfer_deadline_s)
+                result = self.peers.endpoint_for(spec.agent_name).read(spec.agent_name, ops,
+                                                                       self.cfg.transfer_deadline_s)
                 read_s = time.perf_counter() - t0
                 moved = result.bytes_moved
                 self.stats.read_seconds += read_s
@@ -306,6 +323,9 @@ class WorkerSide:
         if self.saver is not None:
             self.saver.close(self.cfg.save_deadline_s)
             self.saver = None
-        if self.endpoint is not None:
+        if self.peers is not None:
+            self.peers.close()  # the transfer endpoint and the shared-memory one
+            self.peers = None
+        elif self.endpoint is not None:
             self.endpoint.close()
-            self.endpoint = None
+        self.endpoint = None

@@ -5,7 +5,9 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
 - The vLLM connector's scheduler side calls ``lookup`` (side-effect free), ``lease`` / ``release``; its save path
   calls ``reserve``, writes the blocks with its own transfer endpoint into the shard's arena at the reserved
   offsets, then ``commit`` (or ``abort``). Its worker side ``add_peer``s ``transfer_metadata()`` and reads leased
-  blocks at the returned offsets of ``region_id``.
+  blocks at the returned offsets of ``region_id``. A store with a shared arena (a memfd) is also exported to
+  same-host clients (``shm_metadata()``, ``kvpool.transfer.shm``: the same region id and offsets); the connector
+  uses it for the shard on its own node: its loads and saves are one memory copy.
 - A replica ``touch``es the pool blocks of a prefix its engine served from its own HBM (without waiting), so a
   prefix that stays hot in HBM does not age out of the pool meanwhile.
 - A replica (the router's SPLIT action: fetch the tail while the head is computed) or an operator asks a shard to
@@ -95,6 +97,13 @@ class PoolShard:
                 options = cfg.tcp or TcpOptions(bind_host=self.node_ip)
             self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=options)
             self.region_id = self.endpoint.register(self.store.arena.buffer)
+        self.shm: Any = None  # the arena exported to same-host clients (kvpool.transfer.shm), with the same region id
+        if self.endpoint is not None and self.store.arena.fd is not None:
+            from kvpool.transfer.shm import ShmEndpoint
+
+            self.shm = ShmEndpoint(self.agent_name)
+            if self.shm.register_shared(self.store.arena.buffer, self.store.arena.fd) != self.region_id:
+                raise RuntimeError("shared-memory region id differs from the transfer endpoint's")
         self._puller = Puller(
             self.store, self._lock, self.endpoint, self.region_id, named_shard_resolver(cfg.registry_namespace)
         )
@@ -130,6 +139,14 @@ class PoolShard:
         from kvpool.transfer import encode_metadata
 
         return encode_metadata(self.endpoint.metadata())
+
+    def shm_metadata(self) -> bytes:
+        """``kvpool.transfer.encode_metadata`` of the shared-memory export of the arena (same-host clients)."""
+        if self.shm is None:
+            raise RuntimeError(f"shard {self.config.shard_id} does not export its arena through shared memory")
+        from kvpool.transfer import encode_metadata
+
+        return encode_metadata(self.shm.metadata())
 
     def lookup(self, raw: bytes) -> bytes:
         req = decode(raw, LookupRequest)
@@ -219,6 +236,9 @@ class PoolShard:
         if self._http is not None:
             self._http.shutdown()
             self._http = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

@@ -112,6 +112,10 @@ class ShardClient:
     def transfer_metadata(self, *, deadline_s: float | None = None) -> bytes:
         return self._call("transfer_metadata", deadline_s=deadline_s)
 
+    def shm_metadata(self, *, deadline_s: float | None = None) -> bytes:
+        """The shard's shared-memory metadata (``kvpool.transfer.shm``); an error when it exports no arena."""
+        return self._call("shm_metadata", deadline_s=deadline_s)
+
     def send_lookup(self, keys: Sequence[bytes], fingerprint: str) -> Any:
         """Send a lookup without waiting: the Ray object ref of its reply (``lookup_many`` waits for several)."""
         return self.handle.lookup.remote(encode(LookupRequest([bytes(k) for k in keys], fingerprint)))
