@@ -107,17 +107,17 @@ def test_the_own_nodes_shard_is_saved_to_and_loaded_from_through_shared_memory(
     engine = EngineLike.options(scheduling_strategy=ray_cluster.affinity("a")).remote("engine-a", 8 * SLOT, True)
     other = EngineLike.options(scheduling_strategy=ray_cluster.affinity("b")).remote("engine-b", 8 * SLOT, True)
     try:
-        backend, committed = ray.get(engine.save.remote(a.handle, a.shard_id, keys, data), timeout=120)
+        backend, committed = ray.get(engine.save.remote(a.actor, a.shard_id, keys, data), timeout=120)
         assert backend == "shm" and len(committed) == 4  # the shard verified the checksums of what shm wrote
-        backend, got = ray.get(engine.load.remote(a.handle, a.shard_id, keys, True), timeout=120)
+        backend, got = ray.get(engine.load.remote(a.actor, a.shard_id, keys, True), timeout=120)
         assert backend == "shm" and got == data
         # Another node's client reads the same slots of the same arena through NIXL.
-        backend, got = ray.get(other.load.remote(a.handle, a.shard_id, keys, False), timeout=120)
+        backend, got = ray.get(other.load.remote(a.actor, a.shard_id, keys, False), timeout=120)
         assert backend == "nixl" and got == data
         # A shard that does not export is refused by the shared-memory endpoint: NIXL it is, and the data is right.
-        backend, committed = ray.get(engine.save.remote(c.handle, c.shard_id, keys, data), timeout=120)
+        backend, committed = ray.get(engine.save.remote(c.actor, c.shard_id, keys, data), timeout=120)
         assert backend == "nixl" and len(committed) == 4
-        backend, got = ray.get(engine.load.remote(c.handle, c.shard_id, keys, True), timeout=120)
+        backend, got = ray.get(engine.load.remote(c.actor, c.shard_id, keys, True), timeout=120)
         assert backend == "nixl" and got == data
     finally:
         for actor in (engine, other):
