@@ -48,6 +48,7 @@ class SaveStats:
     blocks_rejected: int = 0
     blocks_duplicate: int = 0
     bytes_written: int = 0
+    bytes_written_shm: int = 0  # of bytes_written: through shared memory (the own node's shard)
     stage_seconds: float = 0.0  # time on the model runner's thread (the copies)
     write_seconds: float = 0.0
     job_seconds: float = 0.0  # reserve + write + commit, on the saver's thread
@@ -197,9 +198,12 @@ class BlockSaver:
                     ops.append(BlockOp(reply.region_id, remote_off + payload, self._zeros(pad), 0, pad))
                 checksums.append(slot_checksum([self._staging[local : local + payload]], res.slot_bytes))
             t0 = time.perf_counter()
-            result = self._peers.endpoint_for(reply.agent_name).write(reply.agent_name, ops, self.deadline_s)
+            endpoint = self._peers.endpoint_for(reply.agent_name)
+            result = endpoint.write(reply.agent_name, ops, self.deadline_s)
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.bytes_written += result.bytes_moved
+            if endpoint.backend == "shm":
+                self.stats.bytes_written_shm += result.bytes_moved
             commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint)
             reservation_id = None
             self.stats.blocks_committed += len(commit.committed)

@@ -63,6 +63,7 @@ class WorkerStats:
     blocks_failed: int = 0
     checksum_failures: int = 0
     bytes_read: int = 0
+    bytes_read_shm: int = 0  # of bytes_read: through shared memory (the own node's shard, kvpool.transfer.shm)
     read_seconds: float = 0.0
 
 
@@ -246,13 +247,15 @@ class WorkerSide:
             try:
                 self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
                 assert self.peers is not None
+                endpoint = self.peers.endpoint_for(spec.agent_name)
                 t0 = time.perf_counter()
-                result = self.peers.endpoint_for(spec.agent_name).read(spec.agent_name, ops,
-                                                                       self.cfg.transfer_deadline_s)
+                result = endpoint.read(spec.agent_name, ops, self.cfg.transfer_deadline_s)
                 read_s = time.perf_counter() - t0
                 moved = result.bytes_moved
                 self.stats.read_seconds += read_s
                 self.stats.bytes_read += moved
+                if endpoint.backend == "shm":
+                    self.stats.bytes_read_shm += moved
                 failed.update(owner[i] for i in result.failed)
             except Exception as exc:  # peer metadata unavailable, shard dead: every block of this load failed
                 log.warning("kvpool connector: read from %s failed: %s", spec.shard_id, exc)

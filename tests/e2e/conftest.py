@@ -87,7 +87,10 @@ def pool(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> I
 
     def config(node: PoolNode) -> ShardConfig:
         name = names[node.node_id]
-        store = StoreConfig(slot_bytes=SLOT_BYTES, dram_slots=256, ssd_dir=str(ssd / name), ssd_slots=256)
+        # shared_arena: as deployed (app.pool.shared_memory), an engine reaches its own node's shard through
+        # shared memory and the others through NIXL
+        store = StoreConfig(slot_bytes=SLOT_BYTES, dram_slots=256, ssd_dir=str(ssd / name), ssd_slots=256,
+                            shared_arena=True)
         return ShardConfig(shard_id=f"shard-{name}", store=store, backend="nixl")
 
     handles = build_pool(config, nodes=names, ready_deadline_s=120.0)

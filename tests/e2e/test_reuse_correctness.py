@@ -86,7 +86,9 @@ class Ctx:
         if model not in self._primed:
             out = generate(llm, PROMPTS, MAX_TOKENS).tokens
             assert out == ref, "the saving pass itself must produce the reference tokens"
-            assert worker_stats(llm)["blocks_committed"] > 0
+            saved = worker_stats(llm)
+            assert saved["blocks_committed"] > 0
+            assert saved["bytes_written_shm"] == saved["bytes_written"] > 0  # saves to the own node's shard
             self._primed.add(model)
         return llm
 
@@ -133,6 +135,7 @@ def test_same_engine_after_hbm_reset(ctx: Ctx, model: str) -> None:
     out, ds, dw = run_after_hbm_reset(llm)
     assert out == ctx.ref(model)
     assert dw["blocks_loaded"] > 0 and dw["bytes_read"] > 0
+    assert dw["bytes_read_shm"] == dw["bytes_read"]  # the own node's shard: through shared memory
     assert dw["load_failures"] == 0 and dw["checksum_failures"] == 0
     assert ds["hit_tokens"] >= len(PROMPTS) * 2 * BLOCK  # at least the shared system prefix of every prompt
     assert ds["leases_taken"] == ds["leases_released"] and not connector_stats(llm)["held_leases"]
@@ -157,6 +160,7 @@ def test_other_engine_on_other_node_via_nixl(ctx: Ctx, model: str) -> None:
     stats = ray.get(ctx.remote.stats.remote(), timeout=60)
     assert out == ctx.ref(model)
     assert stats["worker"]["blocks_loaded"] > 0 and stats["worker"]["bytes_read"] > 0
+    assert stats["worker"]["bytes_read_shm"] == 0  # another node's shard: NIXL
     assert stats["worker"]["load_failures"] == 0
     assert stats["scheduler"]["hit_tokens"] >= len(PROMPTS) * 2 * BLOCK
 
