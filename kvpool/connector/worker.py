@@ -188,10 +188,9 @@ class WorkerSide:
         """Trust the shard's current transfer metadata (refetched when the shard restarted); the own node's shard
         also through shared memory when it exports its arena."""
         assert self.peers is not None
-        client = self.shards.client(shard_id)
         same_node = shard_id == self.shards.local_shard_id()
-        self.peers.ensure(agent_name, epoch, client.transfer_metadata,
-                          (lambda: client.shm_metadata()) if same_node else None)
+        self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id).transfer_metadata(),
+                          (lambda: self.shards.client(shard_id).shm_metadata()) if same_node else None)
 
     def _load(self, spec: LoadSpec) -> None:
         geo = self.geometry
