@@ -19,7 +19,8 @@ One request, at its arrival time t (requests are processed in arrival order, tie
    tail [start, end) is pulled to the replica's node, then the tail is loaded from the node's DRAM (a tail already
    on the node is loaded after the head);
    service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``) + ``prefill_overhead_s``, FIFO
-   per replica; TTFT = queue wait + service + ``request_overhead_s``;
+   per replica (``engine_sharing="batch"``: every prefill in flight shares the replica's compute evenly, as vLLM's
+   continuous batching does; ``_ps_advance``); TTFT = queue wait + service + ``request_overhead_s``;
 5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
    its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD. With
    ``pool_touch`` (default, as the replicas do) the blocks it reused from HBM are refreshed in its node's shard.
@@ -281,15 +282,15 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
     replicas = cluster.replicas
 
     shared = config.engine_sharing == "batch"
-    makespan_box = [0.0]
+    makespan = 0.0
 
     def finish(rep: SimReplica, job: _Job, end_t: float) -> None:
         """What a prefill's end decides: its TTFT, its decode, its blocks' commit to the node's shard."""
-        nonlocal seq
+        nonlocal seq, makespan
         ttfts[job.k] = end_t - job.arrival + config.request_overhead_s
         decode_end = end_t + job.output_length * _decode_step_s(hw, job.prompt + job.output_length // 2)
         heapq.heappush(rep.decodes, decode_end)
-        makespan_box[0] = max(makespan_box[0], decode_end)
+        makespan = max(makespan, decode_end)
         if job.new_blocks:
             heapq.heappush(commits, (end_t, seq, rep.shard_index, job.new_blocks, job.new_tokens))
             seq += 1
@@ -422,7 +423,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         fetch_bytes=fetch_bytes,
         decisions=dict(decisions),
         decision_latency_s=lat,
-        makespan_s=makespan_box[0],
+        makespan_s=makespan,
         wall_s=time.perf_counter() - wall0,
         evicted_tokens=evicted,
         per_replica_requests=per_replica,
