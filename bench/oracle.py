@@ -145,6 +145,17 @@ class ReferenceServer:
         self.process.stop(REFERENCE_STOP_DEADLINE_S)
 
 
+# vLLM's server (uvicorn) and Ray Serve's proxy close an idle keep-alive connection after 5 s; a client that reuses it
+# just then gets "connection reset" on a request the server never saw (seen in CI). Idle connections older than this
+# are not reused.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def http_client(timeout_s: float) -> httpx.Client:
+    """An HTTP client that never reuses a connection the server may be closing (``KEEPALIVE_EXPIRY_S``)."""
+    return httpx.Client(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+
 class Reference:
     """The reference's calls: tokenize (vLLM's chat rendering), reset its prefix cache, prime, chat."""
 
@@ -152,8 +163,9 @@ class Reference:
         import openai
 
         self.base, self.model = base.rstrip("/"), model
-        self.http = httpx.Client(timeout=timeout_s)
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", timeout=timeout_s, max_retries=0)
+        self.http = http_client(timeout_s)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", timeout=timeout_s, max_retries=0,
+                                    http_client=http_client(timeout_s))
 
     def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
         r = self.http.post(self.base + "/tokenize", json={"model": self.model, "messages": messages,
@@ -234,7 +246,8 @@ def compare(endpoint: str, reference: str, model: str, *, sessions: int, turns: 
     judged by equality with that run's instead (the reference server only renders prompts then)."""
     import openai
 
-    client = openai.OpenAI(base_url=endpoint, api_key="unused", timeout=timeout_s, max_retries=0)
+    client = openai.OpenAI(base_url=endpoint, api_key="unused", timeout=timeout_s, max_retries=0,
+                           http_client=http_client(timeout_s))
     ref = Reference(reference, model, timeout_s)
     base = server_root(endpoint)
     plan = make_sessions(sessions, turns, seed, max_system_words)
