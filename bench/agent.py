@@ -214,7 +214,7 @@ def workload_trace(
 class LiveOptions:
     model: str
     tools_mode: ToolsMode = "tools"
-    tool_choice: str = "none"
+    tool_choice: str | None = None  # None: not sent (what agent frameworks do; vLLM's default is "auto")
     request_timeout_s: float = 120.0
     temperature: float = 0.0
     extra_body: dict[str, Any] | None = None
@@ -268,7 +268,8 @@ async def run_session(
         }
         if tools is not None:
             kwargs["tools"] = tools
-            kwargs["tool_choice"] = opts.tool_choice
+            if opts.tool_choice is not None:
+                kwargs["tool_choice"] = opts.tool_choice
         if opts.extra_body:
             kwargs["extra_body"] = opts.extra_body
         try:

@@ -80,7 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="tools",
         help="tools: send OpenAI `tools` and tool-role results; user: tools in the system prompt, results as user messages",
     )
-    g.add_argument("--tool-choice", default="none", help="OpenAI tool_choice sent with tools (default none)")
+    g.add_argument("--tool-choice", default=None,
+                   help="OpenAI tool_choice sent with tools (default: none sent, as agent frameworks do, so the "
+                        "server's default applies: auto with a tool parser)")
     add_budget_args(parser, default_requests=200, default_duration=120.0)
     add_output_args(parser)
 

@@ -130,8 +130,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     g = parser.add_argument_group("agent run")
     g.add_argument("--tools-mode", choices=["tools", "user"], default="user",
-                   help="user (default): tool definitions in the system prompt (the tiny chat template ignores "
-                        "`tools`)")
+                   help="user (default): tool definitions in the system prompt, as the earlier reports ran it; "
+                        "tools: OpenAI `tools` (needs a tool parser on every endpoint compared)")
     g.add_argument("--max-requests", type=int, default=80)
     g.add_argument("--duration-s", type=float, default=210.0)
     g.add_argument("--request-timeout-s", type=float, default=120.0)

@@ -1,20 +1,39 @@
-"""Deterministic tiny models for tests, the embedded default and the CPU benchmarks (no hub access).
+r"""Deterministic tiny models for tests, the embedded default and the CPU benchmarks (no hub access).
 
 Contract: ``make_tiny(spec, out_dir)`` writes a Hugging Face model directory that vLLM loads from disk:
-a byte-level BPE tokenizer trained with ``tokenizers`` on a built-in corpus (Qwen-style special tokens and chat
-template), a ``config.json`` for ``Qwen3ForCausalLM`` (dense) or ``Qwen3NextForCausalLM`` (hybrid: gated delta net +
-full attention, dense MLP), and random bf16 weights saved as safetensors. A hybrid's last layer carries a small MoE (4 experts, top 2) because vLLM's Qwen3Next requires one; the
-other layers use a dense MLP. Everything is seeded: the same spec gives
-byte-identical files. Weights use untied embeddings and ``initializer_range`` 0.1 (tied / 0.02 weights make a random
+a byte-level BPE tokenizer trained with ``tokenizers`` on a built-in corpus (Qwen-style special tokens, Qwen3's
+tool/reasoning markup tokens and a ChatML chat template with tools and thinking, see below), a ``config.json`` for
+``Qwen3ForCausalLM`` (dense) or ``Qwen3NextForCausalLM`` (hybrid: gated delta net + full attention, dense MLP), and
+random bf16 weights saved as safetensors. A hybrid's last layer carries a small MoE (4 experts, top 2) because vLLM's
+Qwen3Next requires one; the other layers use a dense MLP. Everything is seeded: the same spec gives byte-identical
+files. Weights use untied embeddings and ``initializer_range`` 0.1 (tied / 0.02 weights make a random
 model repeat one token forever, which makes token-equality checks meaningless). For the same reason attention is
 sharpened (q/k norm gain 4) and the hybrid's gated-delta-net layers get long memory (decay rates U(0.001, 0.1)):
 with HF's defaults a random hybrid's next token depends on the last few tokens only, and a random dense model's
 barely on tokens a few hundred positions back, so wrong prefix KV or state would go unnoticed. Measured here:
 changing one token 300-500 positions back changes the greedy continuation of (nearly) every prompt.
 
-Idempotent: the directory carries ``kvstack_tiny.json`` with the spec and its hash; when it matches, nothing is
-rebuilt. A directory holding something else is refused (never silently overwritten). Writes go to a temporary
-sibling directory that is renamed into place, so a crashed build never leaves a half-written model.
+Tokenizer and chat template follow Qwen3, so vLLM's ``hermes`` tool-call parser and ``qwen3`` reasoning parser work
+on the tiny models: ``<tool_call>``, ``</tool_call>``, ``<think>``, ``</think>``, ``<tool_response>`` and
+``</tool_response>`` are single added tokens that are *not* special (decoding with ``skip_special_tokens=True`` keeps
+them, so the parsers see them), next to the specials ``<|endoftext|>`` (pad), ``<|im_start|>`` and ``<|im_end|>``
+(eos); the vocabulary still has exactly ``spec.vocab`` ids. ``CHAT_TEMPLATE`` (our own Jinja) renders ChatML: plain
+messages exactly as ``<|im_start|>{role}\n{content}<|im_end|>\n`` each; with ``tools`` a system turn (merged with a
+leading system message) lists them as JSON in ``<tools></tools>`` and asks for hermes-style
+``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``; assistant ``tool_calls`` render as such blocks
+after the content (which may be ``None`` or empty; dict arguments as JSON, string arguments verbatim),
+``role: tool`` messages as ``<tool_response>`` blocks in one user turn per run of tool messages, and an assistant's
+reasoning (``reasoning_content`` / ``reasoning`` or ``<think>...</think>`` in its content) as a ``<think>`` block
+only after the last user message (earlier turns drop it, as Qwen3 does). The generation prompt is
+``<|im_start|>assistant\n``, followed by an empty ``<think>\n\n</think>\n\n`` when ``enable_thinking`` is false
+(default: thinking on, nothing appended).
+
+Idempotent: the directory carries ``kvstack_tiny.json`` with the spec and its hash (the hash covers
+``GENERATOR_VERSION``); when it matches, nothing is rebuilt. A directory holding something else is refused (never
+silently overwritten): a foreign directory always, another tiny model (other spec, or one written by an older
+generator) unless ``force`` is given; ``ensure_configured`` passes ``force`` for the latter, so a config's model is
+rebuilt in place when the generator changes. Writes go to a temporary sibling directory that is renamed into place,
+so a crashed build never leaves a half-written model.
 
 Called by ``kvstack models make-tiny`` (``cluster/commands/models.py``), test fixtures and the reuse benchmark.
 Heavy imports (torch, transformers, tokenizers) happen inside the functions.
@@ -38,16 +57,93 @@ Preset = Literal["tiny", "heavy"]
 ARCHS: tuple[str, ...] = ("qwen3", "qwen3-next")
 PRESETS: tuple[str, ...] = ("tiny", "heavy")
 MARKER_FILE = "kvstack_tiny.json"
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: tool-call / think / tool-response tokens and the tools + thinking chat template
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen-style ChatML template (system message optional, generation prompt on request).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+# Qwen3's markup tokens: single ids, not special (``skip_special_tokens`` keeps them for the tool / reasoning parsers).
+MARKUP_TOKENS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
 )
+# ChatML in Qwen3's tool / thinking format (our own text; behaviour in the module docstring). Every tag trims the
+# whitespace before it, so the indentation below never reaches the prompt.
+CHAT_TEMPLATE = r"""
+{%- set ns = namespace(last_user=-1, skip=0) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_user = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {%- set ns.skip = 1 %}
+        {%- if messages[0].content is string and messages[0].content %}
+            {{- messages[0].content + '\n\n' }}
+        {%- endif %}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call the functions described below, one JSON signature per line inside ' }}
+    {{- '<tools></tools>:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nTo call functions, reply with one JSON object per call, each inside ' }}
+    {{- '<tool_call></tool_call>:\n' }}
+    {{- '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if loop.index0 >= ns.skip %}
+        {%- set content = message.content if message.content is string else '' %}
+        {%- if message.role == 'assistant' %}
+            {%- set reasoning = '' %}
+            {%- if message.reasoning_content is string %}
+                {%- set reasoning = message.reasoning_content %}
+            {%- elif message.reasoning is string %}
+                {%- set reasoning = message.reasoning %}
+            {%- elif '</think>' in content %}
+                {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+            {{- '<|im_start|>assistant\n' }}
+            {%- if reasoning.strip('\n') and loop.index0 > ns.last_user %}
+                {%- set content = content.lstrip('\n') %}
+                {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}
+            {%- endif %}
+            {{- content }}
+            {%- for call in (message.tool_calls or []) %}
+                {%- set fn = call.function if call.function is mapping else call %}
+                {%- set args = fn.arguments if fn.arguments is defined and fn.arguments is not none else {} %}
+                {%- if content or not loop.first %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": ' + (fn.name | tojson) + ', "arguments": ' }}
+                {{- args if args is string else (args | tojson) }}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+            {{- '<|im_end|>\n' }}
+        {%- elif message.role == 'tool' %}
+            {%- if loop.first or loop.previtem.role != 'tool' %}
+                {{- '<|im_start|>user' }}
+            {%- endif %}
+            {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+            {%- if loop.last or loop.nextitem.role != 'tool' %}
+                {{- '<|im_end|>\n' }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
 
 
 @dataclass(frozen=True)
@@ -189,8 +285,11 @@ def _corpus(seed: int) -> list[str]:
 
 
 def build_tokenizer(out_dir: Path, vocab: int, seed: int) -> int:
-    """Train and save a byte-level BPE tokenizer with exactly ``vocab`` ids; returns the id of ``<|im_end|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Train and save a byte-level BPE tokenizer with exactly ``vocab`` ids; returns the id of ``<|im_end|>``.
+
+    Ids: the specials first, then the trained BPE, then ``MARKUP_TOKENS`` (added, not special), then
+    ``<|reserved_i|>`` specials if the corpus ran out of merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -198,12 +297,13 @@ def build_tokenizer(out_dir: Path, vocab: int, seed: int) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
+        vocab_size=vocab - len(MARKUP_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     size = tok.get_vocab_size()
     if size < vocab:  # a small corpus ran out of merges: fill with reserved specials so every id decodes
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab - size)])

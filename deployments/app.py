@@ -42,6 +42,9 @@ def ingress_settings(cfg: AppConfig) -> IngressSettings:
         mfu=cfg.router.mfu,
         bw_util=cfg.router.bw_util,
         seed=cfg.router.seed,
+        dtype=cfg.engine.dtype,
+        reasoning_parser=cfg.engine.reasoning_parser,
+        openai=cfg.ingress.openai,
     )
 
 

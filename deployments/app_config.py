@@ -27,7 +27,7 @@ from configs.loader import pick
 from configs.schema import GpuProfile, ModelSpec, Strict, TierSpec
 from deployments.engine_settings import EngineSettings
 from router.hub import CpuBinding
-from router.ingress_settings import PolicyName, TierRole
+from router.ingress_settings import OpenAIFrontendSettings, PolicyName, TierRole
 
 APP_CONFIG_VERSION = 1
 
@@ -136,9 +136,11 @@ class PoolSettings(Strict):
 
 
 class IngressDeploymentSettings(Strict):
-    """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``)."""
+    """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``) and the
+    options of the vLLM OpenAI serving layer it runs (``vllm serve`` flag names: tool parser, chat template...)."""
 
     num_replicas: int = Field(default=1, ge=1)
+    openai: OpenAIFrontendSettings = Field(default_factory=OpenAIFrontendSettings)
 
 
 class AppConfig(Strict):

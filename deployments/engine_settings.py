@@ -29,6 +29,9 @@ class EngineSettings(Strict):
     seed: int = 0
     kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
     cache_salt: str = ""
+    reasoning_parser: str | None = Field(
+        default=None, description="vLLM reasoning parser (e.g. qwen3): the engine ends structured-output constraints "
+                                  "at the end of reasoning, the ingress splits reasoning_content from content")
 
     def vllm_engine_kwargs(self) -> dict[str, Any]:
         """The vLLM engine arguments these settings stand for (``AsyncEngineArgs`` keywords): the replica's engine
@@ -48,6 +51,8 @@ class EngineSettings(Strict):
         )
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.reasoning_parser:
+            kwargs["reasoning_parser"] = self.reasoning_parser
         return kwargs
 
     def hbm_capacity_blocks(self) -> int:

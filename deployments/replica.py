@@ -62,9 +62,9 @@ from router.wire import (
     GenerateChunk,
     GenerateRequest,
     ReplicaTimeline,
-    Sampling,
     TokenLogprob,
     check_version,
+    decode_sampling_params,
     routing_root,
 )
 
@@ -126,33 +126,27 @@ class HbmPrefixLedger:
         return list(self._keys)
 
 
-def to_sampling_params(s: Sampling, *, stream: bool, kv_shard_hint: str | None = None) -> Any:
-    """vLLM's ``SamplingParams`` for the wire's sampling fields; ``kv_shard_hint``: the pool shard the kvpool
-    connector should look up first (the router's plan), passed as the request's ``kv_transfer_params``."""
-    from vllm import SamplingParams
+def engine_sampling_params(raw: bytes, kv_shard_hint: str | None = None) -> Any:
+    """The engine's ``SamplingParams``: the ingress's (vLLM's own request conversion, ``router.wire``), streamed as
+    deltas whatever the client asked (the ingress merges them), with ``kv_shard_hint`` — the pool shard the kvpool
+    connector should look up first (the router's plan) — added to the request's ``kv_transfer_params``."""
     from vllm.sampling_params import RequestOutputKind
 
     from kvpool.connector.scheduler import PLAN_PARAM
 
-    return SamplingParams(
-        n=s.n,
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        seed=s.seed,
-        stop=list(s.stop) or None,
-        stop_token_ids=list(s.stop_token_ids) or None,
-        logprobs=s.logprobs,
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        min_tokens=s.min_tokens,
-        output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": {PLAN_PARAM: kv_shard_hint}} if kv_shard_hint else None,
-    )
+    params = decode_sampling_params(raw)
+    params.output_kind = RequestOutputKind.DELTA
+    extra = dict(params.extra_args or {})
+    extra.pop("kv_transfer_params", None)  # only kvstack's own (the ingress refuses clients' kv_transfer_params)
+    if kv_shard_hint:
+        extra["kv_transfer_params"] = {PLAN_PARAM: kv_shard_hint}
+    params.extra_args = extra or None
+    return params
+
+
+def logprob_entries(entry: Any) -> list[TokenLogprob]:
+    """One position of vLLM's logprobs (token id -> ``Logprob``, the sampled token and the top-k) for the wire."""
+    return [TokenLogprob(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in entry.items()]
 
 
 def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None, kv_transfer: Any = None,
@@ -314,33 +308,42 @@ class VLLMReplica:
         try:
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
-            params = to_sampling_params(request.sampling, stream=request.stream, kv_shard_hint=hint)
+            params = engine_sampling_params(request.sampling_params, kv_shard_hint=hint)
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-            async for out in self.engine.generate(prompt, params, request.request_id):
+            async for out in self.engine.generate(prompt, params, request.request_id, priority=request.priority,
+                                                  reasoning_ended=request.reasoning_ended,
+                                                  reasoning_parser_kwargs=request.reasoning_parser_kwargs):
                 cached = out.num_cached_tokens or 0
                 timeline = None
+                prompt_logprobs = None
                 if first:
                     self.waiting -= 1
                     self.running += 1
                     first = False
                     self._touch_pool_prefix(request, cached)
                     timeline = request_timeline(out.metrics, received, plan_s)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs = [None if e is None else logprob_entries(e) for e in out.prompt_logprobs]
                 pool_timing = from_params(out.kv_transfer_params) if out.finished else None
                 for comp in out.outputs:
                     yield GenerateChunk(
                         index=comp.index,
                         text=comp.text,
                         token_ids=list(comp.token_ids),
-                        logprobs=(self._logprobs(comp, request.sampling.logprobs)
-                                  if request.sampling.logprobs is not None else None),
+                        logprobs=None if comp.logprobs is None else [logprob_entries(e) for e in comp.logprobs],
+                        cumulative_logprob=comp.cumulative_logprob,
                         finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                        finished=out.finished,
                         prompt_tokens=prompt_tokens,
+                        prompt_logprobs=prompt_logprobs,
                         cached_tokens=cached,
                         replica_id=self.replica_id,
                         timeline=timeline,
                         pool_timing=pool_timing,
                     )
                     timeline = None
+                    prompt_logprobs = None
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
@@ -398,18 +401,6 @@ class VLLMReplica:
         self.split_stats.blocks_pulled += outcome.pulled
         self.split_stats.failures += int(bool(outcome.error))
         return outcome.hint_shard
-
-    @staticmethod
-    def _logprobs(comp: Any, top_k: int) -> list[list[TokenLogprob]]:
-        """Per token: the sampled token, then the ``top_k`` most likely (the sampled one included when it is among
-        them; vLLM's entry holds the top-k plus the sampled token)."""
-        out: list[list[TokenLogprob]] = []
-        for token_id, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_k]
-            row = [TokenLogprob(token_id, entry[token_id].decoded_token or "", entry[token_id].logprob)]
-            row += [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked]
-            out.append(row)
-        return out
 
     # -- control ---------------------------------------------------------------------------------------------
     async def control(self, request: ControlRequest) -> dict[str, Any]:

@@ -1,27 +1,30 @@
 """OpenAIIngress: the OpenAI-compatible HTTP front door, a Ray Serve deployment with FastAPI.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``, plus
-``/kvstack/decisions`` (the recent decision records, for ``kvstack status``).
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
+``/v1/models/{model}``, ``/version``, ``/health``, ``/metrics``, plus ``/kvstack/decisions``, ``/kvstack/status``
+and ``/kvstack/admin/reset_prefix_cache`` (operators, ``kvstack status``).
 
-The walk (DESIGN.md): parse and validate with vLLM's OpenAI protocol models → apply the model's chat template and
-tokenize once (the engine's own tokenizer) → block keys (``kvpool.keys``) → the live cluster view
-(``router.live_view``) gives a ``ClusterSnapshot`` → ``PolicyRunner.decide`` picks HOLDER / FETCH / RECOMPUTE /
-SPLIT and a replica → the request goes to that replica through the Serve handle (``DecisionRequestRouter`` honours
-the choice) → chunks stream back as SSE or are gathered → the first token's arrival is recorded against the
-prediction (regret) and fed to calibration.
+The walk (DESIGN.md): read the body (413 past ``app.ingress.openai.max_request_body_bytes``), parse it (400 for bad
+JSON, NaN/Infinity), validate with vLLM's OpenAI protocol models, refuse the fields kvstack cannot honour
+(``router.openai_format.REFUSED_FIELDS``) → vLLM's own serving layer (``router.vllm_frontend``: chat rendering with
+tools, tokenization, sampling parameters with structured outputs, tool-call and reasoning parsing, response and
+stream objects) → for each prompt it calls the routed engine client (``router.engine_client``): block keys, the
+live cluster view (``router.live_view``), ``PolicyRunner.decide`` (HOLDER / FETCH / RECOMPUTE / SPLIT and a replica),
+the request to that replica through the Serve handle (``DecisionRequestRouter`` honours the choice), the replica's
+chunks back as vLLM outputs; the first token's arrival is recorded against the prediction (regret, calibration).
 
 Every response carries ``x-kvstack-action``, ``x-kvstack-target``, ``x-kvstack-replica`` and ``x-kvstack-router``
 headers (what was decided, for which replica, where it ran — known before the body only when not streaming — and
-which router decided). Bad input never reaches a replica: every client error is an OpenAI error object with a 4xx status
-(``router.openai_format.ApiError``), and the server keeps serving.
+which router decided; for a batched completion, one comma-separated entry per prompt). A client that disconnects
+cancels its request: the replica aborts it in the engine. Bad input never reaches a replica: every client error is
+an OpenAI error object with a 4xx status, and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +33,6 @@ from ray import serve
 
 from router import openai_format as fmt
 from router.ingress_settings import IngressSettings
-from router.wire import GenerateChunk, GenerateRequest
 
 log = logging.getLogger("kvstack.ingress")
 
@@ -40,89 +42,78 @@ app = FastAPI(title="kvstack", description="OpenAI-compatible endpoint with KV-c
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, replicas: Any, settings: dict[str, Any] | IngressSettings) -> None:
-        from transformers import AutoTokenizer
-        # vLLM's protocol models are imported per request below; importing them once here keeps the first
-        # request from paying the multi-second import.
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: F401
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
-
         from router.live_view import LiveView
+        from router.vllm_frontend import build_frontend
 
         self.settings = settings if isinstance(settings, IngressSettings) else IngressSettings.model_validate(settings)
         self.replicas = replicas
-        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
         self.router_id = serve.get_replica_context().replica_id.unique_id
         self.view = LiveView.from_settings(self.settings)
         self.view.router_id = self.router_id
         self.view.replica_handle = replicas
+        self.frontend = build_frontend(self.settings, self.view, replicas)
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
 
     # -- helpers ---------------------------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> str:
-        name = self.settings.served_model_name
-        if model is not None and model != name:
-            raise fmt.ApiError(404, f"The model `{model}` does not exist. Available models: {name}",
-                               type_="NotFoundError", param="model", code="model_not_found")
-        return name
+    async def _request(self, raw: Request, model_cls: Any) -> Any:
+        """The validated vLLM protocol request of an HTTP request (``ApiError`` otherwise)."""
+        body = fmt.parse_json_body(await fmt.read_body(raw, self.settings.openai.max_request_body_bytes))
+        req = fmt.validate(model_cls, body)
+        if hasattr(req, "model_fields_set"):
+            fmt.refuse_unhonoured(req)
+        return req
 
-    def _chat_tokens(self, req: Any) -> list[int]:
-        messages = fmt.chat_messages(req.messages)
-        kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
-        if req.tools:
-            kwargs["tools"] = [t.model_dump() if hasattr(t, "model_dump") else t for t in req.tools]
+    def _headers(self, trace: Any, ran_on_known: bool) -> dict[str, str]:
+        decisions = trace.decisions
+        targets = [d.target_replica or "" for d in decisions]
+        ran = [trace.ran_on.get(d.request_id, "") for d in decisions] if ran_on_known else targets
+        return {"x-kvstack-action": ",".join(d.action for d in decisions), "x-kvstack-router": self.router_id,
+                "x-kvstack-target": ",".join(targets), "x-kvstack-replica": ",".join(ran)}
+
+    @staticmethod
+    async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
+        """``work``'s result, or cancel it when the client disconnects first (the body has been read already, so
+        the only messages left are the disconnect): a cancelled engine request is aborted on its replica."""
+        from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(listen_for_disconnect(raw))
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
-        except Exception as exc:  # template errors are caused by the messages
-            raise fmt.ApiError(400, f"cannot apply the chat template to these messages: {exc}",
-                               param="messages") from None
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def _completion_tokens(self, req: Any) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            vocab = len(self.tokenizer)
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise fmt.ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            return list(prompt)
-        raise fmt.ApiError(400, "prompt must be a string or a list of token ids (batched prompts are not "
-                                "supported; send one request per prompt)", param="prompt")
-
-    async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, stream: bool
-                        ) -> tuple[AsyncIterator[GenerateChunk], Any]:
-        decision, keys = self.view.decide(request_id, token_ids)
-        greq = GenerateRequest(
-            request_id=request_id, prompt_token_ids=token_ids, block_keys=keys, sampling=sampling,
-            target_replica=decision.target_replica, action=decision.action, fetch_plan=decision.fetch_plan,
-            stream=stream,
-        )
-        gen = self.replicas.options(stream=True).generate.remote(greq)
-        return gen, decision
-
-    async def _timed(self, gen: Any, decision: Any, started: float, ingress_s: float
-                     ) -> AsyncIterator[GenerateChunk]:
-        """The replica's chunks, timed: the first one's TTFT and timeline, the last one's pool timing."""
-        first_at: float | None = None
-        tokens = 0
-        try:
-            async for chunk in gen:
-                if chunk.error:
-                    raise fmt.ApiError(500, f"replica error: {chunk.error}", type_="InternalServerError")
-                if first_at is None:
-                    first_at = time.monotonic()
-                    self.view.record_first_token(decision, first_at - started, chunk, ingress_s)
-                if chunk.pool_timing is not None:
-                    self.view.record_pool_timing(decision, chunk.pool_timing)
-                tokens += len(chunk.token_ids)
-                yield chunk
+            await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            tpot = (time.monotonic() - first_at) / (tokens - 1) if first_at is not None and tokens > 1 else None
-            self.view.request_done(decision, tpot)
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled():
+            raise fmt.ApiError(499, "client disconnected", code="client_disconnected")
+        return task.result()
+
+    async def _generate(self, raw: Request, model_cls: Any, create: Any) -> Response:
+        """A chat or completion request through vLLM's serving layer (``create``), routed per prompt."""
+        # imported here: Serve pickles this class, and a module-level ContextVar does not pickle
+        from router.engine_client import ROUTE_TRACE, RouteTrace
+
+        trace = RouteTrace()
+        token = ROUTE_TRACE.set(trace)
+        try:
+            req = await self._request(raw, model_cls)
+            result = await self._until_disconnect(raw, fmt.call_vllm(create, req, raw))
+            if hasattr(result, "model_dump"):
+                return JSONResponse(result.model_dump(), headers=self._headers(trace, ran_on_known=True))
+            return StreamingResponse(result, media_type="text/event-stream",
+                                     headers=self._headers(trace, ran_on_known=False))
+        except fmt.ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        finally:
+            ROUTE_TRACE.reset(token)
+
+    async def _vllm_json(self, raw: Request, model_cls: Any, create: Any) -> Response:
+        """A request answered by vLLM's serving layer as one JSON object (tokenize, detokenize)."""
+        try:
+            req = await self._request(raw, model_cls)
+            return JSONResponse((await fmt.call_vllm(create, req, raw)).model_dump())
+        except fmt.ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
 
     # -- routes ----------------------------------------------------------------------------------------------
     @app.get("/health")
@@ -137,10 +128,31 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> Response:
-        s = self.settings
-        return JSONResponse({"object": "list", "data": [
-            {"id": s.served_model_name, "object": "model", "created": 0, "owned_by": "kvstack",
-             "root": s.model_path, "max_model_len": s.max_model_len}]})
+        listing = await self.frontend.models.show_available_models()
+        return JSONResponse(listing.model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str) -> Response:
+        listing = await self.frontend.models.show_available_models()
+        for card in listing.data:
+            if card.id == model:
+                return JSONResponse(card.model_dump())
+        names = ", ".join(card.id for card in listing.data)
+        err = fmt.ApiError(404, f"The model `{model}` does not exist. Available models: {names}",
+                           type_="NotFoundError", param="model", code="model_not_found")
+        return JSONResponse(err.body(), status_code=404)
+
+    @app.get("/version")
+    async def version(self) -> Response:
+        from vllm import __version__ as vllm_version
+
+        return JSONResponse({"version": vllm_version})
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self) -> Response:
+        err = fmt.ApiError(404, f"The model `{self.settings.served_model_name}` is a generative model: it does not "
+                                "serve embeddings", type_="NotFoundError", param="model", code="model_not_found")
+        return JSONResponse(err.body(), status_code=404)
 
     @app.get("/kvstack/decisions")
     async def decisions(self, limit: int = 50) -> Response:
@@ -184,79 +196,22 @@ class OpenAIIngress:
     async def chat_completions(self, raw: Request) -> Response:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        return await self._serve(raw, ChatCompletionRequest, chat=True)
+        return await self._generate(raw, ChatCompletionRequest, self.frontend.chat.create_chat_completion)
 
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return await self._serve(raw, CompletionRequest, chat=False)
+        return await self._generate(raw, CompletionRequest, self.frontend.completion.create_completion)
 
-    async def _serve(self, raw: Request, model_cls: type, *, chat: bool) -> Response:
-        started = time.monotonic()
-        try:
-            body = fmt.parse_json_body(await raw.body())
-            req = fmt.validate(model_cls, body)
-            model = self._check_model(body.get("model"))
-            token_ids = self._chat_tokens(req) if chat else self._completion_tokens(req)
-            max_tokens = fmt.resolve_max_tokens(req, len(token_ids), self.settings.max_model_len)
-            sampling = fmt.sampling_from(req, max_tokens)
-            rid = fmt.new_id("chatcmpl" if chat else "cmpl")
-            gen, decision = await self._generate(rid, token_ids, sampling, bool(req.stream))
-            chunks = self._timed(gen, decision, started, time.monotonic() - started)
-            headers = {"x-kvstack-action": decision.action, "x-kvstack-router": self.router_id,
-                       "x-kvstack-target": decision.target_replica or "",
-                       "x-kvstack-replica": decision.target_replica or ""}
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return StreamingResponse(self._sse(rid, model, chunks, chat, include_usage),
-                                         media_type="text/event-stream", headers=headers)
-            choices: dict[int, fmt.ChoiceAccumulator] = {}
-            cached = 0
-            async for chunk in chunks:
-                choices.setdefault(chunk.index, fmt.ChoiceAccumulator()).add(chunk)
-                cached = max(cached, chunk.cached_tokens)
-                headers["x-kvstack-replica"] = chunk.replica_id  # where it actually ran
-            if chat:
-                return JSONResponse(fmt.chat_response(rid, model, choices, len(token_ids), cached), headers=headers)
-            echo = getattr(req, "echo", False) and isinstance(req.prompt, str)
-            return JSONResponse(fmt.completion_response(rid, model, choices, len(token_ids), cached,
-                                                        req.prompt if echo else ""), headers=headers)
-        except fmt.ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        except Exception as exc:  # noqa: BLE001 - an internal failure is a 500 error object, never a crash
-            log.exception("request failed")
-            err = fmt.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="InternalServerError")
-            return JSONResponse(err.body(), status_code=500)
+    @app.post("/tokenize")
+    async def tokenize(self, raw: Request) -> Response:
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
 
-    async def _sse(self, rid: str, model: str, chunks: AsyncIterator[GenerateChunk], chat: bool,
-                   include_usage: bool) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        started: set[int] = set()
-        prompt_tokens = cached = completion = 0
-        try:
-            async for c in chunks:
-                prompt_tokens, cached = c.prompt_tokens, max(cached, c.cached_tokens)
-                completion += len(c.token_ids)
-                if chat:
-                    delta: dict[str, Any] = {}
-                    if c.index not in started:
-                        started.add(c.index)
-                        delta["role"] = "assistant"
-                    if c.text or not delta:
-                        delta["content"] = c.text
-                    yield fmt.sse(fmt.chat_chunk(rid, model, created, c.index, delta, c.finish_reason,
-                                                 fmt.chat_logprobs(c.logprobs or [])))
-                else:
-                    yield fmt.sse(fmt.completion_chunk(rid, model, created, c.index, c.text, c.finish_reason,
-                                                       fmt.completion_logprobs(c.logprobs or [])))
-            if include_usage:
-                yield fmt.sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                               "created": created, "model": model, "choices": [],
-                               "usage": fmt.usage(prompt_tokens, completion, cached)})
-        except fmt.ApiError as err:
-            yield fmt.sse(err.body())
-        except Exception as exc:  # noqa: BLE001
-            log.exception("stream failed")
-            yield fmt.sse(fmt.ApiError(500, f"internal error: {exc}", type_="InternalServerError").body())
-        yield fmt.sse("[DONE]")
+        return await self._vllm_json(raw, TokenizeRequest, self.frontend.tokenization.create_tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(self, raw: Request) -> Response:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        return await self._vllm_json(raw, DetokenizeRequest, self.frontend.tokenization.create_detokenize)

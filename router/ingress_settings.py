@@ -9,7 +9,7 @@ import ``deployments``; ``deployments.app_config`` takes the policy names and ti
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -21,6 +21,23 @@ PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity", "cost_bas
 # Where a prefix can come from, as the router prices it: the replica's own HBM, the DRAM / SSD of the pool shard on
 # the replica's node, or the DRAM / SSD of a shard on another node (over the network).
 TierRole = Literal["hbm", "local_dram", "remote_dram", "local_ssd", "remote_ssd"]
+
+
+class OpenAIFrontendSettings(Strict):
+    """Options of vLLM's OpenAI serving layer that the ingress runs (``router.vllm_frontend``). Each field is the
+    ``vllm serve`` flag of the same name (``tool_call_parser`` is ``--tool-call-parser``) with vLLM's default, and
+    means what it means there; ``max_request_body_bytes`` is kvstack's own (larger bodies get a 413)."""
+
+    enable_auto_tool_choice: bool = Field(default=False, description="tool_choice 'auto' (needs tool_call_parser)")
+    tool_call_parser: str | None = Field(default=None, description="vLLM tool parser name, e.g. hermes (Qwen3)")
+    exclude_tools_when_tool_choice_none: bool = False
+    chat_template: str | None = Field(default=None, description="a template file or inline Jinja (default: the "
+                                                                "tokenizer's)")
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    trust_request_chat_template: bool = False
+    response_role: str = "assistant"
+    max_request_body_bytes: int = Field(default=16 * 2**20, gt=0)
 
 
 class IngressSettings(Strict):
@@ -37,6 +54,9 @@ class IngressSettings(Strict):
     mfu: float = Field(gt=0, le=1, description="initial MFU; calibration replaces it")
     bw_util: float = Field(gt=0, le=1, description="initial bandwidth utilisation; calibration replaces it")
     seed: int | None = Field(description="seed of the policy's RNG (None: fresh)")
+    dtype: str = Field(description="the engines' dtype (vLLM's model config at the ingress must match theirs)")
+    reasoning_parser: str | None = Field(description="the engines' vLLM reasoning parser (None: none)")
+    openai: OpenAIFrontendSettings
     # the router's own runtime knobs
     hub_name: str = DEFAULT_HUB_NAME
     hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace

@@ -1,17 +1,22 @@
 """Typed, versioned messages between the ingress (``router.ingress``) and the replicas (``deployments.replica``).
 
-The ingress tokenizes once and sends token ids with the routing decision; the replica streams ``GenerateChunk``s
-back through a Serve handle. ``DecisionRequestRouter`` (``deployments.request_router``) reads
-``GenerateRequest.target_replica`` to honour the decision. Sampling parameters travel as a typed struct of the
-OpenAI fields we support and are turned into vLLM's ``SamplingParams`` on the replica (the ingress does not need
-vLLM's engine types at all). One protocol, one version constant: ``WIRE_VERSION`` (the hub's reports have their
-own, ``router.hub.HUB_WIRE_VERSION``); the names on it are Literals (``ActionName``, ``StorageTier``,
-``ControlOp``).
+The ingress renders and tokenizes once (vLLM's own OpenAI serving layer, ``router.vllm_frontend``) and sends token
+ids with the routing decision; the replica streams ``GenerateChunk``s back through a Serve handle.
+``DecisionRequestRouter`` (``deployments.request_router``) reads ``GenerateRequest.target_replica`` to honour the
+decision. Sampling parameters are the ``vllm.SamplingParams`` that vLLM's own request conversion built at the
+ingress (structured outputs, logit bias, stop strings... all of it), carried as vLLM's own msgpack encoding of that
+struct (``encode_sampling_params`` / ``decode_sampling_params``), so the engine gets exactly what vLLM's server
+would give it. A chunk carries one choice's delta with everything vLLM's ``CompletionOutput`` has that the serving
+layer reads (text, token ids, logprobs with ranks, finish and stop reason), so the ingress rebuilds vLLM's
+``RequestOutput`` from it (``router.engine_client``). One protocol, one version constant: ``WIRE_VERSION`` (the
+hub's reports have their own, ``router.hub.HUB_WIRE_VERSION``); the names on it are Literals (``ActionName``,
+``StorageTier``, ``ControlOp``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import sys
+from typing import Any, Literal
 
 import msgspec
 
@@ -19,7 +24,7 @@ from kvpool.connector.timing import PoolRequestTiming
 from kvpool.keys import BlockKey, Namespace
 from router.policies.base import ActionName, StorageTier
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: vLLM's SamplingParams on the wire, vLLM's logprob entries in chunks
 # Layout component of the routing namespace until the engine reports the fingerprint of the layout it registered.
 DEFAULT_LAYOUT_TAG = "kvstack-engine"
 # What an operator can ask one replica (``deployments.replica.VLLMReplica.control``).
@@ -32,24 +37,23 @@ def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprin
     return Namespace(served_model_name, layout_fingerprint, cache_salt).root()
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """OpenAI sampling fields, already validated by the ingress."""
+def encode_sampling_params(params: Any) -> bytes:
+    """vLLM's ``SamplingParams`` as vLLM's own msgpack encoding (``vllm.v1.serial_utils``, what its API server sends
+    its engine core), everything inline in one buffer."""
+    from vllm.v1.serial_utils import MsgpackEncoder
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    logprobs: int | None = None  # top-k logprobs per generated token
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_k: int = 0  # 0: all tokens (vLLM's default)
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    buffers = MsgpackEncoder(size_threshold=sys.maxsize).encode(params)
+    if len(buffers) != 1:
+        raise ValueError(f"sampling parameters encoded to {len(buffers)} buffers, expected one")
+    return bytes(buffers[0])
+
+
+def decode_sampling_params(raw: bytes) -> Any:
+    """The ``SamplingParams`` of ``encode_sampling_params``; a malformed buffer raises ``msgspec.DecodeError``."""
+    from vllm import SamplingParams
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    return MsgpackDecoder(SamplingParams).decode(raw)
 
 
 class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):
@@ -63,15 +67,21 @@ class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine request: the prompt's token ids (one prompt of a batched completion is one request), its block
+    keys and the routing decision. The replica always streams deltas; the ingress merges them for a client that
+    did not ask for a stream."""
+
     version: int = WIRE_VERSION
     request_id: str
     prompt_token_ids: list[int]
     block_keys: list[bytes] = []  # chained keys of the prompt's full blocks (kvpool.keys), computed by the ingress
-    sampling: Sampling
+    sampling_params: bytes  # encode_sampling_params(vLLM's SamplingParams for this request)
+    priority: int = 0
+    reasoning_ended: bool | None = None  # vLLM's structured-output reasoning state (a reasoning parser is set)
+    reasoning_parser_kwargs: dict[str, Any] | None = None
     target_replica: str | None = None  # Serve replica unique id chosen by the policy
     action: ActionName = "recompute"
     fetch_plan: FetchPlanMsg | None = None
-    stream: bool = True
 
 
 class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,9 +93,12 @@ class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One entry of vLLM's per-position logprob dict (``vllm.logprobs.Logprob`` with its token id)."""
+
     token_id: int
-    token: str
     logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class ReplicaTimeline(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,16 +115,22 @@ class ReplicaTimeline(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """A delta for one choice (``index``); the last chunk of a choice has ``finish_reason`` set. The first chunk of
-    a request carries its ``timeline``, the last one its ``pool_timing`` (when the connector consulted the pool)."""
+    """A delta for one choice (``index``) — vLLM's ``CompletionOutput`` fields — plus the request's state. The last
+    chunk of a choice has ``finish_reason`` set, the request's last chunk ``finished``. The first chunk of a request
+    carries its ``timeline`` (and ``prompt_logprobs`` when asked for), the last one its ``pool_timing`` (when the
+    connector consulted the pool)."""
 
     version: int = WIRE_VERSION
     index: int = 0
     text: str = ""
     token_ids: list[int] = []
-    logprobs: list[list[TokenLogprob]] | None = None  # per token: the sampled token first, then the top-k
+    logprobs: list[list[TokenLogprob]] | None = None  # per generated token: vLLM's entries (sampled + top-k)
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finished: bool = False
     prompt_tokens: int = 0
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     cached_tokens: int = 0  # prefix tokens the engine did not compute (HBM hit or loaded from the pool)
     replica_id: str = ""
     error: str | None = None

@@ -127,6 +127,10 @@ FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-
     "mfu": ("router", "mfu", 0.55),
     "bw_util": ("router", "bw_util", 0.33),
     "seed": ("router", "seed", 42),
+    "dtype": ("engine", "dtype", "float16"),
+    "reasoning_parser": ("engine", "reasoning_parser", "qwen3"),
+    "openai": ("ingress", "openai", {"enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+                                     "max_request_body_bytes": 1024}),
 }
 ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "replica_ttl_s",
                         "decision_log_size"}
@@ -143,10 +147,13 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
     defaults = AppConfig.model_validate(args)
     for section, key, value in FROM_APP_CONFIG.values():
         assert getattr(getattr(defaults, section), key) != value, (section, key)  # the test value is not a default
-        args[section] = {**args[section], key: value}
+        args[section] = {**args.get(section, {}), key: value}
     got = ingress_settings(AppConfig.model_validate(args))
     for name, (_, _, value) in FROM_APP_CONFIG.items():
-        assert getattr(got, name) == value, name
+        got_value = getattr(got, name)
+        if hasattr(got_value, "model_dump"):
+            got_value = got_value.model_dump(exclude_defaults=True)
+        assert got_value == value, name
 
 
 def test_router_settings_are_typed() -> None:

@@ -14,12 +14,12 @@ from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from deployments.request_router import DecisionRequestRouter, _load, _target_of
-from router.wire import GenerateRequest, Sampling
+from router.wire import GenerateRequest
 from tests.fakes.serve import FakeRunningReplica
 
 
 def greq(target: str | None) -> GenerateRequest:
-    return GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
+    return GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling_params=b"",
                            target_replica=target)
 
 

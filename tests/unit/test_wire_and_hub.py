@@ -17,9 +17,10 @@ from router.wire import (
     FetchPlanMsg,
     GenerateChunk,
     GenerateRequest,
-    Sampling,
     TokenLogprob,
     check_version,
+    decode_sampling_params,
+    encode_sampling_params,
 )
 
 
@@ -37,20 +38,42 @@ def report(rid: str, seq: int, stored: tuple[int, ...] | list[int] = (), removed
 def test_generate_request_roundtrips_through_msgpack() -> None:
     req = GenerateRequest(
         request_id="chatcmpl-1", prompt_token_ids=list(range(300)), block_keys=[k(1), k(2)],
-        sampling=Sampling(max_tokens=7, temperature=0.2, n=2, seed=5, stop=["x"], logprobs=3),
+        sampling_params=b"\x01\x02", priority=3, reasoning_ended=False,
+        reasoning_parser_kwargs={"chat_template_kwargs": {"enable_thinking": False}},
         target_replica="abc123", action="fetch",
-        fetch_plan=FetchPlanMsg("shard-1", "node-1", "dram", 0, 2), stream=False,
+        fetch_plan=FetchPlanMsg("shard-1", "node-1", "dram", 0, 2),
     )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
     assert back == req
     assert back.version == WIRE_VERSION and back.fetch_plan is not None and back.fetch_plan.end_block == 2
 
 
+def test_vllm_sampling_params_cross_the_wire_whole() -> None:
+    """Everything vLLM's request conversion can set survives: structured outputs, logit bias, stop strings,
+    extra args, the output kind."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    params = SamplingParams(n=2, max_tokens=9, temperature=0.5, seed=7, stop=["END"], logprobs=3,
+                            logit_bias={5: -100.0}, output_kind=RequestOutputKind.FINAL_ONLY,
+                            structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+                            extra_args={"x": 1})
+    back = decode_sampling_params(encode_sampling_params(params))
+    assert (back.n, back.max_tokens, back.temperature, back.seed, back.stop, back.logprobs) == (2, 9, 0.5, 7,
+                                                                                                  ["END"], 3)
+    assert back.logit_bias == {5: -100.0} and back.extra_args == {"x": 1}
+    assert back.output_kind == RequestOutputKind.FINAL_ONLY
+    assert back.structured_outputs is not None and back.structured_outputs.json == {"type": "object"}
+    with pytest.raises(msgspec.DecodeError):
+        decode_sampling_params(b"\xc1")
+
+
 def test_generate_chunk_roundtrips_with_logprobs() -> None:
-    chunk = GenerateChunk(index=1, text="hé", token_ids=[4, 5], finish_reason="stop", prompt_tokens=9,
-                          cached_tokens=8, replica_id="r", logprobs=[[TokenLogprob(4, "h", -0.5)],
-                                                                     [TokenLogprob(5, "é", -1.0),
-                                                                      TokenLogprob(6, "e", -2.0)]])
+    chunk = GenerateChunk(index=1, text="hé", token_ids=[4, 5], finish_reason="stop", stop_reason="END",
+                          finished=True, prompt_tokens=9, cached_tokens=8, replica_id="r", cumulative_logprob=-1.5,
+                          logprobs=[[TokenLogprob(4, -0.5, 1, "h")],
+                                    [TokenLogprob(5, -1.0, 2, "é"), TokenLogprob(6, -0.7, 1, "e")]],
+                          prompt_logprobs=[None, [TokenLogprob(3, -2.0, 4, "x")]])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(chunk), type=GenerateChunk) == chunk
 
 
@@ -71,15 +94,15 @@ def test_replica_placement_travels_with_reports_and_snapshots() -> None:
 
 def test_wire_rejects_wrong_types_and_versions() -> None:
     raw = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": ["not", "ints"],
-                                  "sampling": {"max_tokens": 1}})
+                                  "sampling_params": b""})
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(raw, type=GenerateRequest)
-    with pytest.raises(msgspec.ValidationError):  # sampling.max_tokens is required
-        msgspec.msgpack.decode(msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1],
-                                                       "sampling": {}}), type=GenerateRequest)
+    with pytest.raises(msgspec.ValidationError):  # the sampling parameters are required
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1]}),
+                               type=GenerateRequest)
     newer = msgspec.msgpack.decode(
         msgspec.msgpack.encode({"version": WIRE_VERSION + 1, "request_id": "r", "prompt_token_ids": [1],
-                                "sampling": {"max_tokens": 1}}), type=GenerateRequest)
+                                "sampling_params": b""}), type=GenerateRequest)
     with pytest.raises(ValueError, match="wire version"):
         check_version(newer.version, "GenerateRequest")
     check_version(WIRE_VERSION, "GenerateRequest")
@@ -92,7 +115,7 @@ def test_wire_names_are_literals() -> None:
     from router.wire import ControlRequest
 
     assert set(get_args(ActionName)) == {a.value for a in Action}
-    ok = {"request_id": "r", "prompt_token_ids": [1], "sampling": {"max_tokens": 1}}
+    ok = {"request_id": "r", "prompt_token_ids": [1], "sampling_params": b""}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode({**ok, "action": Action.SPLIT}), type=GenerateRequest
                                   ).action == "split"
     with pytest.raises(msgspec.ValidationError, match="action"):
@@ -107,11 +130,6 @@ def test_wire_names_are_literals() -> None:
     with pytest.raises(msgspec.ValidationError, match="binding"):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"cores": [1], "threads": 1, "binding": "pinned"}),
                                type=ReplicaPlacement)
-
-
-def test_sampling_defaults_are_not_shared() -> None:
-    a, b = Sampling(max_tokens=1), Sampling(max_tokens=1)
-    assert a.stop == [] and a.stop is not b.stop
 
 
 # -- hub: deltas, cursors, snapshots -------------------------------------------------------------------------------
