@@ -101,8 +101,9 @@ def make_sessions(n: int, turns: int, seed: int, max_system_words: int = 700) ->
 
 # ------------------------------------------------------------------------------------------------ the reference
 def reference_command(engine_kwargs: dict[str, Any], port: int) -> list[str]:
-    """vLLM's own OpenAI server (what ``vllm serve`` runs) for these engine arguments, through its Python entry
-    point: the CPU build's dist is not named ``vllm``, so the ``vllm`` CLI cannot find its own version."""
+    """vLLM's own OpenAI server (what ``vllm serve`` runs) for these engine arguments (and server options, e.g.
+    ``OpenAIFrontendSettings.vllm_serve_kwargs``: the tool parser), through its Python entry point: the CPU build's
+    dist is not named ``vllm``, so the ``vllm`` CLI cannot find its own version."""
     kw = dict(engine_kwargs)
     cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
@@ -110,6 +111,8 @@ def reference_command(engine_kwargs: dict[str, Any], port: int) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            cmd += [flag, json.dumps(value)]
         else:
             cmd += [flag, str(value)]
     return cmd
@@ -357,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
             log_path = Path(".kvstack") / "oracle-reference.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             print(f"[oracle] starting plain vLLM ({threads} thread(s), log {log_path})", file=sys.stderr)
-            server = ReferenceServer(engine.vllm_engine_kwargs(), list(range(threads)), log_path,
+            server = ReferenceServer({**engine.vllm_engine_kwargs(), **cfg.app.ingress.openai.vllm_serve_kwargs()},
+                                     list(range(threads)), log_path,
                                      args.reference_port or free_port())
             server.wait_ready()
             reference, ref_placement = server.base, server.placement()

@@ -16,14 +16,19 @@ Who calls what: ``router.vllm_frontend`` builds vLLM's ``OpenAIServingChat`` / `
    for a streaming request (``RequestOutputKind.DELTA``), merged into one final output otherwise
    (``FINAL_ONLY``: the replica still streams, so the first token's arrival is timed either way).
 The first chunk's arrival is the request's TTFT (``LiveView.record_first_token``: regret, calibration), the last
-chunk's pool timing joins the decision's timeline. Closing the iterator early (client gone, ``abort``) cancels the
-replica's call, which aborts the engine request there and releases its KV blocks and pool leases.
+chunk's pool timing joins the decision's timeline. Each replica call carries a Serve request id of its own
+(``_own_serve_request_id``), so the prompts of one batched request never wait on each other's routing. Closing
+the iterator early (client gone, ``abort``) cancels the replica's call, which aborts the engine request there and
+releases its KV blocks and pool leases.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+import uuid
+from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +80,24 @@ def request_output(request_id: str, prompt_text: str | None, prompt_token_ids: l
                          finished=chunk.finished, num_cached_tokens=chunk.cached_tokens)
 
 
+@contextlib.contextmanager
+def _own_serve_request_id() -> Iterator[None]:
+    """A Serve handle call made inside this block gets an internal request id of its own. Serve otherwise reuses the
+    incoming HTTP request's, and its request router matches a chosen replica to the pending call by that id, so the
+    concurrent calls of one HTTP request (the prompts of a batched completion) would be confused and one would wait
+    forever. (Ray 2.60's request context; the one place kvstack touches it.)"""
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
 class RoutedEngineClient(EngineClient):
     """An ``EngineClient`` whose engine is the cluster: see the module docstring. ``view`` is the ingress's
     ``router.live_view.LiveView``, ``replicas`` the Serve handle of the replica deployment."""
@@ -119,6 +142,8 @@ class RoutedEngineClient(EngineClient):
         # its own from the same prompt and parameters).
         self.input_processor.process_inputs(request_id, prompt, sampling_params, SUPPORTED_TASKS, priority=priority)
         token_ids = list(extract_prompt_components(self.model_config, prompt).token_ids)
+        if request_id in self._calls:  # a client-chosen id (request_id, X-Request-Id) already in flight
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         routed, keys = self.view.decide(request_id, token_ids)
         trace = ROUTE_TRACE.get()
         if trace is not None:
@@ -132,12 +157,14 @@ class RoutedEngineClient(EngineClient):
         text = prompt_text if prompt_text is not None else prompt.get("prompt")
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         arrived = trace.arrived if trace is not None else time.monotonic()
+        self._calls[request_id] = None  # taken from now on (the call itself starts when the output is iterated)
         return self._outputs(request, routed, text, final_only, arrived, trace)
 
     async def _outputs(self, request: GenerateRequest, routed: Any, prompt_text: str | None, final_only: bool,
                        arrived: float, trace: RouteTrace | None) -> AsyncGenerator[RequestOutput, None]:
         sent = time.monotonic()
-        call = self.replicas.options(stream=True).generate.remote(request)
+        with _own_serve_request_id():
+            call = self.replicas.options(stream=True).generate.remote(request)
         self._calls[request.request_id] = call
         first_at: float | None = None
         tokens = 0

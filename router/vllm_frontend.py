@@ -64,7 +64,8 @@ def _vllm_config(args: argparse.Namespace) -> Any:
     model_config = engine_args.create_model_config()
     model_config.quantization = None  # nothing is computed here (as vLLM's render server does)
     envs.VLLM_CPU_KVCACHE_SPACE = 0  # no KV cache here either (silences the CPU platform's check)
-    return VllmConfig(model_config=model_config, structured_outputs_config=engine_args.create_structured_outputs_config())
+    return VllmConfig(model_config=model_config,
+                      structured_outputs_config=engine_args.create_structured_outputs_config())
 
 
 def build_frontend(settings: IngressSettings, view: Any, replicas: Any) -> VllmFrontend:

@@ -9,7 +9,6 @@ state to propagate (a replica's HBM report reaching the routers, the connector's
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import psutil
 import pytest
 
 from cluster.local_cluster import free_port
+from tests.e2e.serve_run import running_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,42 +32,8 @@ MODEL = "tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    state = tmp / "serve.json"
-    log_path = tmp / "serve.log"
-    cmd = [
-        sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
-        "--set", f"app.engine.model_path={REPO / '.kvstack/models/tiny-qwen3'}",
-        "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
-        "--set", "app.ingress.num_replicas=2",  # two routers: the anti-herding test needs them
-        "--log-dir", str(tmp / "logs"),  # Ray's and vLLM's logs; serve.log holds kvstack's own lines
-    ]
-    log = open(log_path, "w")
-    # As a user starts it: none of the vLLM variables earlier tests set in this process (in-process engines turn
-    # V1 multiprocessing off here, which once made every replica of this server run in-process and unbound).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 480
-
-    def tails() -> str:
-        logs = [log_path, *sorted((tmp / "logs").glob("*.log"))]
-        return "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
-
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"kvstack serve exited {proc.returncode}:\n{tails()}")
-            if "is serving" in log_path.read_text():
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"kvstack serve not ready within 480 s:\n{tails()}")
-        yield {"proc": proc, "base": f"http://127.0.0.1:{port}/v1", "state": state, "log": log_path}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    # two routers: the anti-herding test needs them
+    yield from running_serve(tmp_path_factory.mktemp("serve"), ["app.ingress.num_replicas=2"])
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +43,17 @@ def client(server):
     return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
 
 
-def engine_settings() -> Any:
-    """The replicas' engine settings, as ``kvstack serve`` derives them from its default config."""
+def app_config() -> Any:
+    """The app config ``kvstack serve`` derives from its default config (the replicas' engine settings, the
+    ingress's vLLM server options)."""
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 
     return load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
-                             ).app.engine
+                             ).app
+
+
+def engine_settings() -> Any:
+    return app_config().engine
 
 
 def get_status(server) -> dict[str, Any]:
@@ -243,6 +214,15 @@ def test_structured_output_follows_the_schema(client) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
     value = json.loads(out.choices[0].message.content)
     assert set(value) == {"answer", "mood"} and value["answer"] in ("yes", "no") and value["mood"] in ("calm", "busy")
+
+
+def test_chat_template_kwargs_reach_the_template(client) -> None:
+    """Qwen3's ``enable_thinking: false`` appends an empty think block to the generation prompt."""
+    messages = [{"role": "user", "content": "Plan the trip."}]
+    thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    direct = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert direct.usage.prompt_tokens >= thinking.usage.prompt_tokens + 2  # <think> ... </think> and newlines
 
 
 def test_batched_prompts_echo_and_vllm_routes(server, client) -> None:
@@ -492,14 +472,30 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
     its prefix cache empty, and holding exactly the prefix kvstack reused. No unexplained difference."""
     from bench.oracle import ReferenceServer, compare
 
-    engine = engine_settings()
-    ref = ReferenceServer(engine.vllm_engine_kwargs(), [0], tmp_path / "reference.log", free_port())
+    app = app_config()
+    engine = app.engine
+    ref = ReferenceServer({**engine.vllm_engine_kwargs(), **app.ingress.openai.vllm_serve_kwargs()}, [0],
+                          tmp_path / "reference.log", free_port())
     try:
         ref.wait_ready()
         result = compare(server["base"], ref.base, MODEL, sessions=6, turns=3, reset_hbm=True, seed=11,
                          max_prompt_tokens=engine.max_model_len)
+        # Tool calling judged against vLLM's own server with the same tool parser: a named (strict) call and an
+        # auto one, greedy, give the same message (content, tool calls) and finish reason.
+        calls = []
+        for choice in ({"type": "function", "function": {"name": "get_time"}}, None):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "What time is it in Berlin?"}],
+                    "tools": [WEATHER, CLOCK], "max_tokens": 64, "temperature": 0,
+                    **({"tool_choice": choice} if choice else {})}
+            got = [httpx.post(base + "/chat/completions", json=body, timeout=120).json()["choices"][0]
+                   for base in (server["base"], ref.base + "/v1")]
+            calls.append([(c["finish_reason"], c["message"].get("content"),
+                           [(t["function"]["name"], t["function"]["arguments"])
+                            for t in c["message"].get("tool_calls") or []]) for c in got])
     finally:
         ref.stop()
+    for kvstack_says, vllm_says in calls:
+        assert kvstack_says == vllm_says
     assert result["unexplained"] == 0, [
         {k: c[k] for k in ("session", "turn", "action", "verdict", "prompt_tokens", "cached_tokens",
                            "reference_cached_tokens", "reference_session_cached_tokens")}

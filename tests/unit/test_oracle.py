@@ -20,6 +20,25 @@ def test_reference_runs_the_replicas_engine_arguments() -> None:
     assert "--enable-prefix-caching" in cmd and "--enforce-eager" in cmd and "--enable-prompt-tokens-details" in cmd
 
 
+def test_reference_serves_the_same_openai_options() -> None:
+    """The ingress's vLLM server options (tool parser, template kwargs) reach plain vLLM's server as its flags; vLLM's
+    own parser reads them back as the ingress set them."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from router.ingress_settings import OpenAIFrontendSettings
+
+    openai = OpenAIFrontendSettings(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                    default_chat_template_kwargs={"enable_thinking": False}, max_request_body_bytes=7)
+    assert set(openai.vllm_serve_kwargs()) == {"enable_auto_tool_choice", "tool_call_parser",
+                                               "default_chat_template_kwargs"}
+    engine = EngineSettings(model_path="/m/tiny", served_model_name="tiny", reasoning_parser="qwen3")
+    cmd = reference_command({**engine.vllm_engine_kwargs(), **openai.vllm_serve_kwargs()}, 9999)
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
+    assert parsed.enable_auto_tool_choice is True and parsed.tool_call_parser == "hermes"
+    assert parsed.default_chat_template_kwargs == {"enable_thinking": False} and parsed.reasoning_parser == "qwen3"
+
+
 class ScriptedReference:
     """Answers like a plain vLLM server whose output depends on how many prompt tokens its prefix cache held."""
 
@@ -107,3 +126,16 @@ def test_sessions_are_seeded_and_distinct() -> None:
     assert [s.system for s in a] == [s.system for s in b]
     assert len({s.system for s in a}) == 5 and all(len(s.users) == 3 for s in a)
     assert [s.system for s in make_sessions(5, 3, seed=2)] != [s.system for s in a]
+
+
+def test_vllm_bench_serve_takes_the_documented_arguments() -> None:
+    """``bench.vllm_bench_serve`` is vLLM's own parser: the command its docstring documents parses."""
+    import shlex
+
+    from bench import vllm_bench_serve
+
+    doc = vllm_bench_serve.__doc__ or ""
+    command = doc[doc.rindex("-m bench.vllm_bench_serve") + len("-m bench.vllm_bench_serve"):doc.index("Exit status")]
+    args = vllm_bench_serve.parse(shlex.split(command.replace("\\\n", " ")))
+    assert (args.backend, args.endpoint, args.num_prompts, args.request_rate) == ("openai-chat",
+                                                                                  "/v1/chat/completions", 40, 2.0)

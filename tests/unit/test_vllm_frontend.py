@@ -347,3 +347,31 @@ def test_a_disconnect_mid_stream_cancels_the_replica_call(served: Any) -> None:
         served[2].delay_s = 0.0
     assert served[2].calls[-1].cancelled
     assert served[1].done == done + 1  # the routing view closed the assignment
+
+
+def test_a_client_request_id_in_flight_twice_gets_two_engine_requests(served: Any) -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    served[2].output = "a b c"
+
+    async def one() -> str:
+        req = fmt.validate(ChatCompletionRequest, {"model": MODEL, "messages": USER, "max_tokens": 8,
+                                                   "stream": True, "request_id": "mine"})
+        stream = await fmt.call_vllm(served[0].chat.create_chat_completion, req)
+        return "".join([line async for line in stream])
+
+    async def both() -> list[str]:
+        first = asyncio.ensure_future(one())
+        while len(served[2].calls) == before:  # the first is on a replica (and slow) before the second arrives
+            await asyncio.sleep(0.01)
+        return [await one(), await first]
+
+    before = len(served[2].calls)
+    served[2].delay_s = 0.05
+    try:
+        outs = asyncio.run(both())
+    finally:
+        served[2].delay_s = 0.0
+    ids = [c.request.request_id for c in served[2].calls[before:]]
+    assert len(ids) == 2 and len(set(ids)) == 2 and ids[0] == "chatcmpl-mine" and ids[1].startswith("chatcmpl-mine-")
+    assert all("[DONE]" in out for out in outs)

@@ -1,0 +1,61 @@
+"""``kvstack serve`` as a subprocess for e2e modules: started as a user starts it, torn down with SIGKILL.
+
+``running_serve(tmp, sets)`` is a generator (a module fixture's body): it starts ``python -m cluster.cli serve`` on a
+free port with ``--set KEY=VALUE`` for each of ``sets`` (the tiny dense model and an SSD directory under ``tmp`` are
+set first), waits until it prints that it is serving (at most ``ready_s``; a start that exits or times out fails the
+test with the tails of its logs), yields ``{"proc", "base", "state", "log"}`` and kills its process group after.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.local_cluster import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0) -> Iterator[dict[str, Any]]:
+    port = free_port()
+    state = tmp / "serve.json"
+    log_path = tmp / "serve.log"
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
+           "--set", f"app.engine.model_path={REPO / '.kvstack/models/tiny-qwen3'}",
+           "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
+           "--log-dir", str(tmp / "logs")]  # Ray's and vLLM's logs; serve.log holds kvstack's own lines
+    for item in sets:
+        cmd += ["--set", item]
+    log = open(log_path, "w")
+    # As a user starts it: none of the vLLM variables earlier tests set in this process (in-process engines turn
+    # V1 multiprocessing off here, which once made every replica of this server run in-process and unbound).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + ready_s
+
+    def tails() -> str:
+        logs = [log_path, *sorted((tmp / "logs").glob("*.log"))]
+        return "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"kvstack serve exited {proc.returncode}:\n{tails()}")
+            if "is serving" in log_path.read_text():
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"kvstack serve not ready within {ready_s:.0f} s:\n{tails()}")
+        yield {"proc": proc, "base": f"http://127.0.0.1:{port}/v1", "state": state, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
