@@ -145,126 +145,6 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     assert ok.usage.completion_tokens == 3
 
 
-# Strict tools: vLLM constrains a required / named call's arguments to the tool's schema (a non-strict tool's
-# arguments are any JSON value, which a random-weight model fills with anything). Enums keep them short.
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city", "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-                   "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a zone", "strict": True,
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-                   "additionalProperties": False}}}
-
-
-def test_an_agent_loop_with_tools_runs_through_the_openai_sdk(client) -> None:
-    """What an agent framework sends: tools without tool_choice (auto, the hermes parser), then five turns of named
-    tool calls, each answered by a tool result in the history. A named choice constrains decoding, so even this
-    random-weight model must return a call of that tool with JSON arguments."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a weather agent."},
-                                      {"role": "user", "content": "Weather in Paris, then the time?"}]
-    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=8,
-                                          temperature=0)
-    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    completed = 0
-    for turn in range(5):
-        name, key = (("get_weather", "city"), ("get_time", "zone"))[turn % 2]
-        out = client.chat.completions.create(
-            model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=96, temperature=0,
-            tool_choice={"type": "function", "function": {"name": name}})
-        choice = out.choices[0]
-        call_id, arguments = f"call_{turn}", json.dumps({key: "UTC" if key == "zone" else "Paris"})
-        if choice.finish_reason == "length":
-            # The grammar allows any JSON whitespace, and a random model can spend its whole budget on it: then
-            # there is no complete call (and none is made up); the agent goes on with the call it wanted.
-            assert not choice.message.tool_calls, out
-        else:
-            calls = choice.message.tool_calls
-            assert calls and calls[0].function.name == name, out  # (finish_reason "stop" for a named choice)
-            assert list(json.loads(calls[0].function.arguments)) == [key], out
-            call_id, arguments = calls[0].id, calls[0].function.arguments
-            completed += 1
-        messages.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]})
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"result {turn}: sunny"})
-    assert out.usage.prompt_tokens > auto.usage.prompt_tokens + 50, completed  # the history grew with the calls
-
-
-def test_streamed_required_tool_call_assembles(client) -> None:
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER], max_tokens=96,
-        temperature=0, tool_choice="required", stream=True)
-    name, args, finish = "", "", None
-    for chunk in stream:
-        for choice in chunk.choices:
-            for call in choice.delta.tool_calls or []:
-                name += (call.function.name or "") if call.function else ""
-                args += (call.function.arguments or "") if call.function else ""
-            finish = choice.finish_reason or finish
-    assert name == "get_weather"  # the only name the grammar allows
-    if finish != "length":  # (a random model may spend the budget on the whitespace JSON allows)
-        assert finish == "tool_calls" and json.loads(args)["city"] in ("Paris", "Rome")
-
-
-def test_structured_output_follows_the_schema(client) -> None:
-    schema = {"type": "object", "additionalProperties": False, "required": ["answer", "mood"],
-              "properties": {"answer": {"enum": ["yes", "no"]}, "mood": {"enum": ["calm", "busy"]}}}
-    out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is the cache warm?"}], max_tokens=64, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
-    value = json.loads(out.choices[0].message.content)
-    assert set(value) == {"answer", "mood"} and value["answer"] in ("yes", "no") and value["mood"] in ("calm", "busy")
-
-
-def test_chat_template_kwargs_reach_the_template(client) -> None:
-    """Qwen3's ``enable_thinking: false`` appends an empty think block to the generation prompt."""
-    messages = [{"role": "user", "content": "Plan the trip."}]
-    thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-    direct = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
-                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert direct.usage.prompt_tokens >= thinking.usage.prompt_tokens + 2  # <think> ... </think> and newlines
-
-
-def test_batched_prompts_echo_and_vllm_routes(server, client) -> None:
-    out = client.completions.create(model=MODEL, prompt=["The pool holds", "A block of keys"], max_tokens=4,
-                                    temperature=0, echo=True)
-    assert [c.index for c in out.choices] == [0, 1]
-    assert out.choices[0].text.startswith("The pool holds") and out.choices[1].text.startswith("A block of keys")
-    root = server["base"][:-3]
-    tok = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": "The pool holds"}, timeout=30).json()
-    assert tok["count"] == len(tok["tokens"]) > 0
-    back = httpx.post(root + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}, timeout=30).json()
-    assert back["prompt"] == "The pool holds"
-    chat_tok = httpx.post(root + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                    "add_generation_prompt": True}, timeout=30).json()
-    assert chat_tok["count"] > 3
-    assert httpx.get(server["base"] + f"/models/{MODEL}", timeout=30).json()["id"] == MODEL
-    missing = httpx.get(server["base"] + "/models/nope", timeout=30)
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-    assert httpx.get(root + "/version", timeout=30).json()["version"]
-    emb = httpx.post(server["base"] + "/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
-    assert emb.status_code == 404 and "embeddings" in emb.json()["error"]["message"]
-
-
-def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(server) -> None:
-    """The engine request of a stream the client drops is aborted on its replica: the replicas' running count
-    (their reports, as the routers see them) is back to zero within seconds, long before 1,500 tokens."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count forever."}], "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server["base"] + "/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data:")
-                if seen >= 5:
-                    break  # leaving both blocks closes the connection mid-stream
-    started = time.monotonic()
-    wait_for_status(server, lambda st: sum(x["running"] + x["waiting"] for x in st["replicas"]) == 0,
-                    "no request left on the replicas after the client left", answers=6, timeout_s=20)
-    assert time.monotonic() - started < 20
-
-
 def test_second_turn_reuses_the_prefix(server, client) -> None:
     """A long shared prefix: the second turn reuses it (HOLDER, or FETCH from the pool) and gives the same tokens."""
     system = "You are a careful assistant. " + " ".join(f"fact {i} is number {i * 7}." for i in range(120))
@@ -465,6 +345,126 @@ def test_replicas_run_on_cores_of_their_own(server) -> None:
             assert psutil.Process(pid).cpu_affinity() == p["cores"], (rid, p, evidence)
 
 
+# Strict tools: vLLM constrains a required / named call's arguments to the tool's schema (a non-strict tool's
+# arguments are any JSON value, which a random-weight model fills with anything). Enums keep them short.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                   "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone", "strict": True,
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                   "additionalProperties": False}}}
+
+
+def test_an_agent_loop_with_tools_runs_through_the_openai_sdk(client) -> None:
+    """What an agent framework sends: tools without tool_choice (auto, the hermes parser), then five turns of named
+    tool calls, each answered by a tool result in the history. A named choice constrains decoding, so even this
+    random-weight model must return a call of that tool with JSON arguments."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a weather agent."},
+                                      {"role": "user", "content": "Weather in Paris, then the time?"}]
+    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=8,
+                                          temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    completed = 0
+    for turn in range(5):
+        name, key = (("get_weather", "city"), ("get_time", "zone"))[turn % 2]
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=96, temperature=0,
+            tool_choice={"type": "function", "function": {"name": name}})
+        choice = out.choices[0]
+        call_id, arguments = f"call_{turn}", json.dumps({key: "UTC" if key == "zone" else "Paris"})
+        if choice.finish_reason == "length":
+            # The grammar allows any JSON whitespace, and a random model can spend its whole budget on it: then
+            # there is no complete call (and none is made up); the agent goes on with the call it wanted.
+            assert not choice.message.tool_calls, out
+        else:
+            calls = choice.message.tool_calls
+            assert calls and calls[0].function.name == name, out  # (finish_reason "stop" for a named choice)
+            assert list(json.loads(calls[0].function.arguments)) == [key], out
+            call_id, arguments = calls[0].id, calls[0].function.arguments
+            completed += 1
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"result {turn}: sunny"})
+    assert out.usage.prompt_tokens > auto.usage.prompt_tokens + 50, completed  # the history grew with the calls
+
+
+def test_streamed_required_tool_call_assembles(client) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER], max_tokens=96,
+        temperature=0, tool_choice="required", stream=True)
+    name, args, finish = "", "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                name += (call.function.name or "") if call.function else ""
+                args += (call.function.arguments or "") if call.function else ""
+            finish = choice.finish_reason or finish
+    assert name == "get_weather"  # the only name the grammar allows
+    if finish != "length":  # (a random model may spend the budget on the whitespace JSON allows)
+        assert finish == "tool_calls" and json.loads(args)["city"] in ("Paris", "Rome")
+
+
+def test_structured_output_follows_the_schema(client) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer", "mood"],
+              "properties": {"answer": {"enum": ["yes", "no"]}, "mood": {"enum": ["calm", "busy"]}}}
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the cache warm?"}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"answer", "mood"} and value["answer"] in ("yes", "no") and value["mood"] in ("calm", "busy")
+
+
+def test_chat_template_kwargs_reach_the_template(client) -> None:
+    """Qwen3's ``enable_thinking: false`` appends an empty think block to the generation prompt."""
+    messages = [{"role": "user", "content": "Plan the trip."}]
+    thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    direct = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert direct.usage.prompt_tokens >= thinking.usage.prompt_tokens + 2  # <think> ... </think> and newlines
+
+
+def test_batched_prompts_echo_and_vllm_routes(server, client) -> None:
+    out = client.completions.create(model=MODEL, prompt=["The pool holds", "A block of keys"], max_tokens=4,
+                                    temperature=0, echo=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text.startswith("The pool holds") and out.choices[1].text.startswith("A block of keys")
+    root = server["base"][:-3]
+    tok = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": "The pool holds"}, timeout=30).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    back = httpx.post(root + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}, timeout=30).json()
+    assert back["prompt"] == "The pool holds"
+    chat_tok = httpx.post(root + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    "add_generation_prompt": True}, timeout=30).json()
+    assert chat_tok["count"] > 3
+    assert httpx.get(server["base"] + f"/models/{MODEL}", timeout=30).json()["id"] == MODEL
+    missing = httpx.get(server["base"] + "/models/nope", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(root + "/version", timeout=30).json()["version"]
+    emb = httpx.post(server["base"] + "/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
+    assert emb.status_code == 404 and "embeddings" in emb.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(server) -> None:
+    """The engine request of a stream the client drops is aborted on its replica: the replicas' running count
+    (their reports, as the routers see them) is back to zero within seconds, long before 1,500 tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count forever."}], "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server["base"] + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data:")
+                if seen >= 5:
+                    break  # leaving both blocks closes the connection mid-stream
+    started = time.monotonic()
+    wait_for_status(server, lambda st: sum(x["running"] + x["waiting"] for x in st["replicas"]) == 0,
+                    "no request left on the replicas after the client left", answers=6, timeout_s=20)
+    assert time.monotonic() - started < 20
+
+
 def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> None:
     """The outside oracle (``bench.oracle``): fixed multi-turn sessions through kvstack with the pool on (every
     replica's HBM emptied after each round, so revisits are served from the pool), each response judged against
@@ -483,8 +483,11 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
         # Tool calling judged against vLLM's own server with the same tool parser: a named (strict) call and an
         # auto one, greedy, give the same message (content, tool calls) and finish reason.
         calls = []
-        for choice in ({"type": "function", "function": {"name": "get_time"}}, None):
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "What time is it in Berlin?"}],
+        for i, choice in enumerate(({"type": "function", "function": {"name": "get_time"}}, None)):
+            # a system message of its own heads each prompt: no prefix of it is cached anywhere, so both servers
+            # compute it whole (a reused prefix may change bf16 results, which the oracle above explains)
+            body = {"model": MODEL, "messages": [{"role": "system", "content": f"Parity check {i}: tools."},
+                                                 {"role": "user", "content": "What time is it in Berlin?"}],
                     "tools": [WEATHER, CLOCK], "max_tokens": 64, "temperature": 0,
                     **({"tool_choice": choice} if choice else {})}
             got = [httpx.post(base + "/chat/completions", json=body, timeout=120).json()["choices"][0]

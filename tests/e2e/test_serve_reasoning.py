@@ -90,3 +90,16 @@ def test_batched_prompts_stream_one_choice_each(client) -> None:
     assert set(texts) == {0, 1} == finished
     one = client.completions.create(model=MODEL, prompt="A block of keys", max_tokens=5, temperature=0)
     assert texts[1] == one.choices[0].text  # each prompt is its own request: the same tokens alone
+
+
+def test_logit_bias_reaches_the_engine(server, client) -> None:
+    """A +100 bias on one token makes greedy decoding produce only that token: the engine applied it."""
+    import httpx
+
+    ids = httpx.post(server["base"][:-3] + "/tokenize", json={"model": MODEL, "prompt": " cache"},
+                     timeout=30).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt="The pool holds", max_tokens=3, temperature=0,
+                                    logit_bias={str(ids[-1]): 100})
+    piece = httpx.post(server["base"][:-3] + "/detokenize", json={"model": MODEL, "tokens": [ids[-1]]},
+                       timeout=30).json()["prompt"]
+    assert out.choices[0].text == piece * 3

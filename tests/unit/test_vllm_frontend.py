@@ -226,6 +226,16 @@ def test_tool_results_and_assistant_tool_calls_in_the_history_render(served: Any
     assert "<tool_response>" in prompt and "sunny, 21 C" in prompt and '"city": "Paris"' in prompt
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(served: Any) -> None:
+    served[2].output = CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Rome")
+    both = run(served, {"messages": USER, "tools": [WEATHER], "max_tokens": 64})
+    assert [json.loads(c["function"]["arguments"])["city"] for c in both["choices"][0]["message"]["tool_calls"]] \
+        == ["Paris", "Rome"]
+    one = run(served, {"messages": USER, "tools": [WEATHER], "max_tokens": 64, "parallel_tool_calls": False})
+    assert [json.loads(c["function"]["arguments"])["city"] for c in one["choices"][0]["message"]["tool_calls"]] \
+        == ["Paris"]
+
+
 def test_tool_choice_none_returns_text(served: Any) -> None:
     served[2].output = CALL_TEXT
     out = run(served, {"messages": USER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 64})
