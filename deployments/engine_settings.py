@@ -31,7 +31,7 @@ class EngineSettings(Strict):
     cache_salt: str = ""
     reasoning_parser: str | None = Field(
         default=None, description="vLLM reasoning parser (e.g. qwen3): the engine ends structured-output constraints "
-                                  "at the end of reasoning, the ingress splits reasoning_content from content")
+                                  "at the end of reasoning, the ingress splits `reasoning` from `content`")
 
     def vllm_engine_kwargs(self) -> dict[str, Any]:
         """The vLLM engine arguments these settings stand for (``AsyncEngineArgs`` keywords): the replica's engine
