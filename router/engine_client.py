@@ -108,7 +108,7 @@ class RoutedEngineClient(EngineClient):
         self.renderer = renderer
         self.input_processor = input_processor
         self.view = view
-        self.replicas = replicas
+        self._streaming = replicas.options(stream=True)  # every generate call streams its chunks
         self._calls: dict[str, Any] = {}  # request id -> the replica call streaming it
 
     # -- state (the replicas report their own health to Serve; the client itself never dies) ----------------
@@ -164,7 +164,7 @@ class RoutedEngineClient(EngineClient):
                        arrived: float, trace: RouteTrace | None) -> AsyncGenerator[RequestOutput, None]:
         sent = time.monotonic()
         with _own_serve_request_id():
-            call = self.replicas.options(stream=True).generate.remote(request)
+            call = self._streaming.generate.remote(request)
         self._calls[request.request_id] = call
         first_at: float | None = None
         tokens = 0
@@ -265,9 +265,4 @@ class RoutedEngineClient(EngineClient):
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._calls.clear()
-
-
-def first_chunk_replicas(trace: RouteTrace) -> list[str]:
-    """Where each routed prompt ran (its first chunk's replica), in prompt order; '' where none arrived yet."""
-    return [trace.ran_on.get(d.request_id, "") for d in trace.decisions]
 

@@ -59,8 +59,7 @@ class OpenAIIngress:
         """The validated vLLM protocol request of an HTTP request (``ApiError`` otherwise)."""
         body = fmt.parse_json_body(await fmt.read_body(raw, self.settings.openai.max_request_body_bytes))
         req = fmt.validate(model_cls, body)
-        if hasattr(req, "model_fields_set"):
-            fmt.refuse_unhonoured(req)
+        fmt.refuse_unhonoured(req)
         return req
 
     def _headers(self, trace: Any, ran_on_known: bool) -> dict[str, str]:

@@ -39,10 +39,12 @@ class OpenAIFrontendSettings(Strict):
     response_role: str = "assistant"
     max_request_body_bytes: int = Field(default=16 * 2**20, gt=0)
 
-    def vllm_serve_kwargs(self) -> dict[str, Any]:
-        """The options set to something other than vLLM's default, as ``vllm serve`` keywords (flag names with
-        underscores): what plain vLLM's own server needs to serve the same endpoint (``bench.oracle``)."""
-        return self.model_dump(exclude_defaults=True, exclude={"max_request_body_bytes"})
+    def vllm_serve_kwargs(self, *, only_changed: bool = True) -> dict[str, Any]:
+        """The vLLM options as ``vllm serve`` keywords (flag names with underscores), kvstack's own left out. By
+        default those set to something other than vLLM's default: what plain vLLM's own server needs to serve the
+        same endpoint (``bench.oracle``); all of them for the ingress's own serve arguments
+        (``router.vllm_frontend``)."""
+        return self.model_dump(exclude_defaults=only_changed, exclude={"max_request_body_bytes"})
 
 
 class IngressSettings(Strict):

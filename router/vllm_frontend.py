@@ -45,9 +45,7 @@ def serve_args(settings: IngressSettings) -> argparse.Namespace:
     args.dtype = settings.dtype
     args.reasoning_parser = settings.reasoning_parser or ""
     args.enable_prompt_tokens_details = True  # usage.prompt_tokens_details.cached_tokens: the cache's effect
-    for name, value in settings.openai.model_dump().items():
-        if name == "max_request_body_bytes":
-            continue  # kvstack's own limit (router.ingress)
+    for name, value in settings.openai.vllm_serve_kwargs(only_changed=False).items():
         if not hasattr(args, name):
             raise ValueError(f"app.ingress.openai.{name} is not a `vllm serve` option of this vLLM version")
         setattr(args, name, value)
@@ -90,61 +88,38 @@ def build_frontend(settings: IngressSettings, view: Any, replicas: Any) -> VllmF
         engine_client=client,
         base_model_paths=[BaseModelPath(name=settings.served_model_name, model_path=settings.model_path)],
     )
-    chat_template = load_chat_template(args.chat_template)
-    template_kwargs = resolve_default_chat_template_kwargs(args)
     reasoning_parser = vllm_config.structured_outputs_config.reasoning_parser or None
-    online_renderer = OnlineRenderer(
-        model_config=vllm_config.model_config,
-        renderer=renderer,
+    # What several of vLLM's objects must agree on, given once: the renderer validates tool_choice with the tool
+    # parser that the chat server parses outputs with, and renders with the template the tokenizer endpoint uses.
+    template = dict(
         request_logger=None,
-        chat_template=chat_template,
+        chat_template=load_chat_template(args.chat_template),
         chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=resolve_default_chat_template_kwargs(args),
         trust_request_chat_template=args.trust_request_chat_template,
-        trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+    )
+    tools = dict(
         enable_auto_tools=args.enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         tool_parser=args.tool_call_parser,
         tool_strict_level=args.tool_strict_level,
-        reasoning_parser=reasoning_parser,
-        default_chat_template_kwargs=template_kwargs,
+    )
+    usage = dict(
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+    )
+    online_renderer = OnlineRenderer(
+        model_config=vllm_config.model_config, renderer=renderer, **template, **tools,
+        trust_request_mm_kwargs=args.trust_request_mm_kwargs, reasoning_parser=reasoning_parser,
         log_error_stack=args.log_error_stack,
     )
     online_renderer.warmup()
     chat = OpenAIServingChat(
-        engine_client=client,
-        models=models,
-        response_role=args.response_role,
-        online_renderer=online_renderer,
-        request_logger=None,
-        chat_template=chat_template,
-        chat_template_content_format=args.chat_template_content_format,
-        default_chat_template_kwargs=template_kwargs,
-        trust_request_chat_template=args.trust_request_chat_template,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        enable_auto_tools=args.enable_auto_tool_choice,
-        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        tool_parser=args.tool_call_parser,
-        tool_strict_level=args.tool_strict_level,
-        reasoning_parser=reasoning_parser or "",
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
+        engine_client=client, models=models, response_role=args.response_role, online_renderer=online_renderer,
+        **template, **tools, **usage, reasoning_parser=reasoning_parser or "",
     )
-    completion = OpenAIServingCompletion(
-        client,
-        models,
-        online_renderer=online_renderer,
-        request_logger=None,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
-    )
-    tokenization = ServingTokenization(
-        models,
-        online_renderer,
-        request_logger=None,
-        chat_template=chat_template,
-        chat_template_content_format=args.chat_template_content_format,
-        default_chat_template_kwargs=template_kwargs,
-        trust_request_chat_template=args.trust_request_chat_template,
-    )
+    completion = OpenAIServingCompletion(client, models, online_renderer=online_renderer, request_logger=None,
+                                         **usage)
+    tokenization = ServingTokenization(models, online_renderer, **template)
     return VllmFrontend(args, client, models, chat, completion, tokenization)

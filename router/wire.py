@@ -15,6 +15,7 @@ hub's reports have their own, ``router.hub.HUB_WIRE_VERSION``); the names on it 
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Literal
 
@@ -37,12 +38,20 @@ def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprin
     return Namespace(served_model_name, layout_fingerprint, cache_salt).root()
 
 
+@functools.cache
+def _sampling_codec() -> tuple[Any, Any]:
+    """vLLM's msgpack encoder (everything inline in one buffer) and its ``SamplingParams`` decoder, built once per
+    process (not per request)."""
+    from vllm import SamplingParams
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    return MsgpackEncoder(size_threshold=sys.maxsize), MsgpackDecoder(SamplingParams)
+
+
 def encode_sampling_params(params: Any) -> bytes:
     """vLLM's ``SamplingParams`` as vLLM's own msgpack encoding (``vllm.v1.serial_utils``, what its API server sends
     its engine core), everything inline in one buffer."""
-    from vllm.v1.serial_utils import MsgpackEncoder
-
-    buffers = MsgpackEncoder(size_threshold=sys.maxsize).encode(params)
+    buffers = _sampling_codec()[0].encode(params)
     if len(buffers) != 1:
         raise ValueError(f"sampling parameters encoded to {len(buffers)} buffers, expected one")
     return bytes(buffers[0])
@@ -50,10 +59,7 @@ def encode_sampling_params(params: Any) -> bytes:
 
 def decode_sampling_params(raw: bytes) -> Any:
     """The ``SamplingParams`` of ``encode_sampling_params``; a malformed buffer raises ``msgspec.DecodeError``."""
-    from vllm import SamplingParams
-    from vllm.v1.serial_utils import MsgpackDecoder
-
-    return MsgpackDecoder(SamplingParams).decode(raw)
+    return _sampling_codec()[1].decode(raw)
 
 
 class FetchPlanMsg(msgspec.Struct, frozen=True, array_like=True):
