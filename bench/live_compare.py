@@ -53,7 +53,7 @@ DEFAULT_POLICIES = f"{ANCHOR},prefix_affinity{NO_POOL},round_robin,cost_based"
 HEAVY_MODEL = "tiny-qwen3-heavy"
 DEFAULT_SERVE_SET = (
     "tiny_model.preset=heavy",
-    f"app.engine.model_path=.kvstack/models/{HEAVY_MODEL}",
+    f"app.engine.model=.kvstack/models/{HEAVY_MODEL}",
     f"app.engine.served_model_name={HEAVY_MODEL}",
     f"app.router.model_spec={HEAVY_MODEL}",
 )

@@ -104,17 +104,11 @@ def reference_command(engine_kwargs: dict[str, Any], port: int) -> list[str]:
     """vLLM's own OpenAI server (what ``vllm serve`` runs) for these engine arguments (and server options, e.g.
     ``OpenAIFrontendSettings.vllm_serve_kwargs``: the tool parser), through its Python entry point: the CPU build's
     dist is not named ``vllm``, so the ``vllm`` CLI cannot find its own version."""
-    kw = dict(engine_kwargs)
+    from router.vllm_args import cli_args
+
     cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
-    for key, value in kw.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            cmd += [flag, json.dumps(value)]
-        else:
-            cmd += [flag, str(value)]
+    cmd += cli_args(engine_kwargs)
     return cmd
 
 

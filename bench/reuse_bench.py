@@ -93,24 +93,6 @@ def pool_slot_bytes(spec: Any, block: int) -> int:
     return max(full * 2 * spec.kv_heads * block * spec.head_dim * 2, linear_state_bytes(spec))
 
 
-def model_spec_from_dir(path: str, name: str, state_bytes: int = 0) -> Any:
-    """A cost-model ``ModelSpec`` from the model's config.json (params = weights used in matmuls per token)."""
-    from configs.schema import ModelSpec
-
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    n_q, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or hidden // n_q
-    types = cfg.get("layer_types") or ["full_attention"] * layers
-    full = sum(1 for t in types if t == "full_attention")
-    attn = hidden * (n_q * d + 2 * n_kv * d) + n_q * d * hidden
-    mlp = 3 * hidden * cfg["intermediate_size"]
-    params = layers * (attn + mlp) + hidden * cfg["vocab_size"]  # + LM head; embeddings are a lookup
-    return ModelSpec(name=name, params=float(params), layers=layers, full_attention_layers=full,
-                     linear_attention_layers=layers - full, n_q=n_q, n_kv=n_kv, head_dim=d, dtype="bf16",
-                     linear_state_bytes_per_seq=state_bytes)
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from bench.inproc import (EngineSpec, close_llm, connector_stats, engine_env, make_llm, placement,
                               reference_tokens, timed_request)
@@ -219,7 +201,10 @@ def summarize(args: argparse.Namespace, spec: Any, model_dir: str, reps: list[di
     mismatches = [{"repeat": i, "case": c, "reused_tokens": r[c]["reused_tokens"]}
                   for i, r in enumerate(reps) for c in CASES if r[c]["tokens"] != r[c]["reference_tokens"]]
     cached = statistics.median(r["fetch_dram"]["hit_tokens"] for r in reps)
-    model = model_spec_from_dir(model_dir, f"tiny-{args.arch}-{args.preset}", linear_state_bytes(spec))
+    from configs.hf_model import model_spec
+
+    model = model_spec(model_dir, f"tiny-{args.arch}-{args.preset}").model_copy(
+        update={"linear_state_bytes_per_seq": linear_state_bytes(spec)})
     hw = Hardware(model=model, gpu=load_gpus()[args.gpu], mfu=args.mfu, bw_util=args.bw_util)
     tiers = load_tiers()
     predicted = {"recompute": ttft(hw, prompt_tokens=args.tokens), "hbm": ttft(hw, prompt_tokens=args.tokens,

@@ -170,10 +170,10 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
                  pool_tokens: float | None = None) -> dict[str, Any]:
     from bench.agent import session_plan
     from bench.agent_cli import workload_from_args
-    from bench.live_compare import run_dir, run_label, ttfts
+    from bench.live_compare import REPO, run_dir, run_label, ttfts
     from bench.simulate import SimConfig, simulate
     from bench.stats import summarize
-    from configs.loader import load_gpus, load_models, load_tiers, pick
+    from configs.loader import load_gpus, load_tiers, pick
     from router.cost import Hardware, kv_bytes_per_token
     from router.policies.pricing import TierMap
 
@@ -182,7 +182,9 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     if not entries:
         raise ValueError(f"{work}: no finished run to simulate")
     settings = _serve_settings(meta)
-    base_hw = Hardware(model=pick("model", load_models(), settings["model_spec"]),
+    from configs.hf_model import pricing_spec
+
+    base_hw = Hardware(model=pricing_spec(str(REPO / settings["model_path"]), settings["model_spec"]),
                        gpu=pick("GPU", load_gpus(), settings["gpu_profile"]), mfu=0.5, bw_util=0.8)
     kvb = kv_bytes_per_token(base_hw.model)
     hbm_tokens = float(settings["kv_bytes"]) / kvb if settings["kv_bytes"] else math.inf
@@ -192,7 +194,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     w = workload_from_args(argparse.Namespace(**workload))
     sizing = meta.get("sizing")
     if not sizing:  # the run was started without the model's tokenizer at hand: size it now
-        from bench.live_compare import REPO, size_workload
+        from bench.live_compare import size_workload
 
         sizing = size_workload(argparse.Namespace(**workload), REPO / settings["model_path"])
     shared = int(sizing["shared_prefix_tokens"])

@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("plan", "cluster.commands.plan", "fetch-vs-recompute planner: break-even, capacity, report"),
     ("models", "cluster.commands.models", "generate tiny local models (no hub access)"),
     ("serve", "cluster.commands.serve", "start the local multi-node cluster and the OpenAI endpoint"),
+    ("serve-config", "cluster.commands.serve_config_cmd", "the Ray Serve config file (serve run / serve deploy)"),
     ("status", "cluster.commands.status", "show nodes, replicas, shards and recent decisions"),
     ("simulate", "bench.simulate_cli", "discrete-event cluster simulation running the real policies"),
 ]

@@ -113,24 +113,31 @@ class LocalCluster:
             ),
         )
         self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus, "head")]
-        for i in range(self.workers):
-            ip = f"127.0.0.{self.first_ip + 1 + i}"
-            name = self.worker_names[i] if self.worker_names is not None else str(i)
-            resources = {f"kvstack_node_{i}": 1, "kvstack_worker": 1}
-            if self.worker_names is not None:
-                resources[f"node_{name}"] = 1
-            node = self._cluster.add_node(
-                wait=True,
-                node_ip_address=ip,
-                num_cpus=self.cpus_per_worker,
-                resources=resources,
-                object_store_memory=self.object_store_bytes,
-                metrics_export_port=free_port(ip),
-            )
-            self.nodes.append(NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker, name))
+        for _ in range(self.workers):
+            self.add_worker()
         ray.init(address=self._cluster.address, namespace=self.namespace, logging_level=self.logging_level,
                  log_to_driver=self.log_to_driver)
         return self
+
+    def add_worker(self) -> NodeInfo:
+        """One more worker node (the next loopback address, ``cpus_per_worker`` CPUs), as an autoscaler adds one."""
+        i = len(self.nodes) - 1
+        ip = f"127.0.0.{self.first_ip + 1 + i}"
+        name = self.worker_names[i] if self.worker_names is not None and i < len(self.worker_names) else str(i)
+        resources = {f"kvstack_node_{i}": 1, "kvstack_worker": 1}
+        if self.worker_names is not None:
+            resources[f"node_{name}"] = 1
+        node = self._cluster.add_node(
+            wait=True,
+            node_ip_address=ip,
+            num_cpus=self.cpus_per_worker,
+            resources=resources,
+            object_store_memory=self.object_store_bytes,
+            metrics_export_port=free_port(ip),
+        )
+        info = NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker, name)
+        self.nodes.append(info)
+        return info
 
     @property
     def address(self) -> str:

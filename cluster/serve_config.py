@@ -20,6 +20,7 @@ from pydantic import Field
 from configs.loader import ConfigError, parse_model
 from configs.schema import Strict
 from deployments.app_config import AppConfig
+from deployments.engine_settings import is_local_model
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
@@ -70,11 +71,36 @@ def load_serve_config(path: Path, overrides: dict[str, Any] | None = None) -> Se
             node = node[p]
         node[leaf] = value
     cfg = parse_model(ServeFileConfig, raw, path)
-    model_path = Path(cfg.app.engine.model_path)
-    if not model_path.is_absolute():  # relative model paths are relative to the current directory
-        engine = cfg.app.engine.model_copy(update={"model_path": str(model_path.resolve())})
-        cfg = cfg.model_copy(update={"app": cfg.app.model_copy(update={"engine": engine})})
-    return cfg
+    # Relative paths (a local model, the SSD directory) are relative to the current directory, where kvstack runs:
+    # made absolute here, so the replicas, the ingress and the pool keeper (Ray workers elsewhere) read the same.
+    app = cfg.app
+    model = app.engine.model
+    if is_local_model(model, generated=cfg.tiny_model is not None) and not Path(model).is_absolute():
+        app = app.model_copy(update={"engine": app.engine.model_copy(
+            update={"model": str(Path(model).expanduser().resolve())})})
+    if app.pool.ssd_dir and not Path(app.pool.ssd_dir).is_absolute():
+        app = app.model_copy(update={"pool": app.pool.model_copy(
+            update={"ssd_dir": str(Path(app.pool.ssd_dir).expanduser().resolve())})})
+    return cfg.model_copy(update={"app": app})
+
+
+APP_NAME = "kvstack"
+IMPORT_PATH = "deployments.app:build_app"
+
+
+def serve_config_document(cfg: ServeFileConfig) -> dict[str, Any]:
+    """The standard Ray Serve config (``serve run FILE`` / ``serve deploy FILE``; KubeRay's ``serveConfigV2``) that
+    serves what ``kvstack serve`` serves for ``cfg``: one application, ``deployments.app:build_app`` with the app
+    section as its args (only what differs from the defaults), the HTTP options; proxies on every node for an
+    existing cluster (Serve's default otherwise, as ``kvstack serve`` starts it). The pool comes with the app
+    (``deployments.pool_keeper``)."""
+    doc: dict[str, Any] = {}
+    if cfg.cluster.mode == "existing":
+        doc["proxy_location"] = "EveryNode"
+    doc["http_options"] = {"host": cfg.http.host, "port": cfg.http.port}
+    doc["applications"] = [{"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH,
+                            "args": cfg.app.model_dump(mode="json", exclude_defaults=True)}]
+    return doc
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -49,6 +49,8 @@ def format_validation_error(path: Path | str, exc: ValidationError, prefix: str 
     for err in exc.errors():
         loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
         msg = "unknown key (not allowed here)" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "value_error":  # a validator's own message, without pydantic's "Value error, "
+            msg = str(err.get("ctx", {}).get("error", msg))
         lines.append(f"{path}: {loc}: {msg}")
     return "\n".join(lines)
 

@@ -59,6 +59,10 @@ class ModelSpec(Strict):
     dtype: DType = "bf16"
     linear_state: LinearStateSpec | None = None
     linear_state_bytes_per_seq: int | None = Field(default=None, ge=0)
+    sliding_window: int | None = Field(default=None, gt=0, description="tokens a sliding-window layer attends to")
+    sliding_window_layers: int = Field(
+        default=0, ge=0, description="of the full-attention layers, those with a sliding window (priced as full "
+                                     "attention: an upper bound on their KV bytes and FLOPs)")
     hf_architecture: str | None = None
     description: str = ""
 
@@ -69,6 +73,9 @@ class ModelSpec(Strict):
                 f"model {self.name!r}: full_attention_layers ({self.full_attention_layers}) + "
                 f"linear_attention_layers ({self.linear_attention_layers}) != layers ({self.layers})"
             )
+        if self.sliding_window_layers > self.full_attention_layers:
+            raise ValueError(f"model {self.name!r}: sliding_window_layers ({self.sliding_window_layers}) > "
+                             f"full_attention_layers ({self.full_attention_layers})")
         if self.n_q % self.n_kv:
             raise ValueError(f"model {self.name!r}: n_q ({self.n_q}) must be a multiple of n_kv ({self.n_kv})")
         return self
@@ -76,6 +83,10 @@ class ModelSpec(Strict):
     @property
     def bytes_per_elem(self) -> int:
         return BYTES_PER_ELEM[self.dtype]
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every full-attention layer for one token: 2 · KV heads · head dim · layers · element bytes."""
+        return 2 * self.n_kv * self.head_dim * self.full_attention_layers * self.bytes_per_elem
 
     @property
     def is_hybrid(self) -> bool:

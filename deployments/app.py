@@ -5,7 +5,9 @@ Who calls it: ``kvstack serve`` (``cluster.commands.serve``) and Ray Serve itsel
 ``deployments.app_config.AppConfig`` (unknown keys rejected) and the spec names are checked against
 ``configs/specs``; then the deployment graph is built. No Ray calls, no model or file access happen here: the
 replicas load their engines, and the ingress its tokenizer, when they start. The ``ClusterViewHub`` actor is
-created on first use by whichever component starts first (``router.hub.get_or_create_hub``).
+created on first use by whichever component starts first (``router.hub.get_or_create_hub``). With the pool on, a
+``PoolKeeper`` deployment (``deployments.pool_keeper``) starts a pool shard on every node, including nodes that join
+later; it is bound into the ingress's arguments so that Serve deploys it with the app.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from configs import load_gpus, load_models, load_tiers
 from deployments.app_config import AppConfig
+from deployments.pool_keeper import PoolKeeper
 from deployments.replica import VLLMReplica
 from deployments.request_router import DecisionRequestRouter
 from router.ingress import OpenAIIngress
@@ -24,6 +27,7 @@ from router.ingress_settings import IngressSettings
 
 REPLICA_DEPLOYMENT = "VLLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+POOL_KEEPER_DEPLOYMENT = "PoolKeeper"
 
 
 def ingress_settings(cfg: AppConfig) -> IngressSettings:
@@ -32,6 +36,7 @@ def ingress_settings(cfg: AppConfig) -> IngressSettings:
     return IngressSettings(
         served_model_name=cfg.engine.served_model_name,
         model_path=cfg.engine.model_path,
+        engine_args=cfg.engine.vllm_engine_kwargs(),
         max_model_len=cfg.engine.max_model_len,
         block_size=cfg.engine.block_size,
         cache_salt=cfg.engine.cache_salt,
@@ -63,13 +68,26 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
     )
+    engine = cfg.engine
+    placement_group = cfg.serve_placement_group()
+    if placement_group is not None:
+        replica_options.update(placement_group)
+        if "distributed_executor_backend" not in engine.extra_engine_args():  # vLLM's Ray executor: the group's GPUs
+            engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
     autoscaling = cfg.serve_autoscaling_config()
     if autoscaling is not None:
         replica_options["autoscaling_config"] = autoscaling
     else:
         replica_options["num_replicas"] = cfg.replicas.num_replicas
     replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(
-        cfg.engine, cfg.pool, threads=cfg.replicas.engine_threads(), cpu_binding=cfg.replicas.cpu_binding)
+        engine, cfg.pool, threads=cfg.replicas.engine_threads(), cpu_binding=cfg.replicas.cpu_binding)
+
+    keeper = None
+    if cfg.pool.enabled:  # the pool belongs to the app: a shard on every node, also those that join later
+        keeper = serve.deployment(PoolKeeper).options(
+            name=POOL_KEEPER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+            health_check_period_s=10,
+        ).bind(cfg.engine, cfg.pool)
 
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
@@ -77,4 +95,4 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=256,
     )
-    return ingress.bind(replicas, ingress_settings(cfg))
+    return ingress.bind(replicas, ingress_settings(cfg), keeper)

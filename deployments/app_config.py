@@ -18,10 +18,11 @@ has its default here and nowhere else.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.loader import pick
 from configs.schema import GpuProfile, ModelSpec, Strict, TierSpec
@@ -42,8 +43,13 @@ DEFAULT_TIER_MAP: dict[TierRole, str] = {
 }
 
 
-class AutoscalingSettings(Strict):
-    """Serve autoscaling of the replica deployment on ongoing requests per replica."""
+class AutoscalingSettings(BaseModel):
+    """Serve autoscaling of the replica deployment: every key of Ray Serve's ``autoscaling_config``
+    (``ray.serve.config.AutoscalingConfig``: smoothing and scaling factors, look-back period, metrics interval,
+    aggregation function, custom policy...) passes through and is checked by Ray Serve's own model; a key Serve
+    does not know is an error naming it. The declared fields are those with kvstack's own defaults."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(ge=1)
@@ -60,6 +66,14 @@ class AutoscalingSettings(Strict):
             raise ValueError(
                 f"initial_replicas ({self.initial_replicas}) outside [{self.min_replicas}, {self.max_replicas}]"
             )
+        from ray.serve.config import AutoscalingConfig  # Ray's model ignores unknown keys: name them here
+
+        for key in self.model_extra or {}:
+            if key not in AutoscalingConfig.model_fields:
+                close = difflib.get_close_matches(key, sorted(AutoscalingConfig.model_fields), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ValueError(f"replicas.autoscaling_config.{key}: not a Ray Serve autoscaling option{hint}")
+        AutoscalingConfig.model_validate(self.model_dump(exclude_none=True))
         return self
 
 
@@ -96,7 +110,9 @@ class RouterSettings(Strict):
     ``router.ingress_settings.IngressSettings``."""
 
     policy: PolicyName = "cost_based"
-    model_spec: str = Field(description="model name in configs/specs/models.yaml (the cost model's view)")
+    model_spec: str | None = Field(
+        default=None, description="a model name in configs/specs/models.yaml to price with instead of the spec "
+                                  "derived from the model's own config.json and safetensors (configs.hf_model)")
     gpu_profile: str = Field(description="GPU name in configs/specs/gpus.yaml")
     tiers: dict[TierRole, str] = Field(
         default_factory=lambda: dict(DEFAULT_TIER_MAP), description="tier role -> tier name in tiers.yaml"
@@ -160,12 +176,13 @@ class AppConfig(Strict):
         tiers: Mapping[str, TierSpec],
     ) -> None:
         """Raise ``configs.loader.UnknownNameError`` (listing the known names) for a name no spec defines."""
-        pick("model", models, self.router.model_spec)
+        if self.router.model_spec is not None:
+            pick("model", models, self.router.model_spec)
         pick("GPU", gpus, self.router.gpu_profile)
         for tier_name in self.router.tiers.values():
             pick("tier", tiers, tier_name)
 
-    def serve_autoscaling_config(self) -> dict[str, float | int] | None:
+    def serve_autoscaling_config(self) -> dict[str, Any] | None:
         """The replica deployment's Serve ``autoscaling_config`` (None for a fixed replica count)."""
         auto = self.replicas.autoscaling_config
         if auto is None:
@@ -173,5 +190,21 @@ class AppConfig(Strict):
         return auto.model_dump(exclude_none=True)
 
     def serve_ray_actor_options(self) -> dict[str, float]:
-        """The replica deployment's Serve ``ray_actor_options`` resources."""
-        return {"num_cpus": self.replicas.num_cpus, "num_gpus": self.replicas.num_gpus}
+        """The replica deployment's Serve ``ray_actor_options`` resources. A replica whose engine spans several GPUs
+        (``serve_placement_group``) holds none itself: its engine's Ray workers hold them."""
+        gpus = 0.0 if self.serve_placement_group() else self.replicas.num_gpus
+        return {"num_cpus": self.replicas.num_cpus, "num_gpus": gpus}
+
+    def serve_placement_group(self) -> dict[str, Any] | None:
+        """Serve's placement group options for a replica whose engine spans ``tensor_parallel_size ×
+        pipeline_parallel_size`` GPUs (Ray Serve's way for multi-GPU replicas, as Ray Serve LLM does it): one bundle
+        per GPU worker of vLLM's Ray executor, the replica actor's CPUs in the first; packed on one node for tensor
+        parallelism, spread as needed for pipeline stages. None for a one-GPU or CPU replica."""
+        n = self.engine.parallel_size()
+        if n <= 1 or self.replicas.num_gpus <= 0:
+            return None
+        gpu = self.replicas.num_gpus
+        bundles = [{"CPU": self.replicas.num_cpus, "GPU": gpu}] + [{"GPU": gpu} for _ in range(n - 1)]
+        pipeline = int(self.engine.extra_engine_args().get("pipeline_parallel_size", 1))
+        return {"placement_group_bundles": bundles,
+                "placement_group_strategy": "PACK" if pipeline > 1 else "STRICT_PACK"}

@@ -151,18 +151,21 @@ def logprob_entries(entry: Any) -> list[TokenLogprob]:
 
 def build_engine_args(engine: EngineSettings, kv_events_port: int | None = None, kv_transfer: Any = None,
                       extra: dict[str, Any] | None = None) -> Any:
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    """The engine's ``AsyncEngineArgs``: the configured arguments parsed by vLLM's own parser (as ``vllm serve``
+    parses them), then what kvstack sets itself (KV events, the connector, the worker extension; ``extra``)."""
+    from router.vllm_args import parse_engine_args
 
-    kwargs = engine.vllm_engine_kwargs()
+    args = parse_engine_args(engine.vllm_engine_kwargs())
     if kv_events_port is not None:
         from deployments.kv_events import events_config
 
-        kwargs["kv_events_config"] = events_config(kv_events_port)
+        args.kv_events_config = events_config(kv_events_port)
     if kv_transfer is not None:
-        kwargs["kv_transfer_config"] = kv_transfer
-    kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the workers report their own binding
-    kwargs.update(extra or {})
-    return AsyncEngineArgs(**kwargs)
+        args.kv_transfer_config = kv_transfer
+    args.worker_extension_cls = WORKER_EXTENSION  # the workers report their own binding
+    for key, value in (extra or {}).items():
+        setattr(args, key, value)
+    return args
 
 
 def _gpu_numa_node() -> int | None:
@@ -412,6 +415,10 @@ class VLLMReplica:
             return {"replica_id": self.replica_id, "ok": await self.reset_prefix_cache()}
         if request.op == "info":
             return {"ok": True, **await self.info()}
+        if request.op == "engine_metrics":  # vLLM's own vllm:* series of this replica's engine
+            from router.engine_metrics import engine_metrics_text
+
+            return {"replica_id": self.replica_id, "ok": True, "text": engine_metrics_text()}
         return {"replica_id": self.replica_id, "ok": False, "error": f"unknown op {request.op!r}"}
 
     async def reset_prefix_cache(self) -> bool:

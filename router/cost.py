@@ -27,7 +27,7 @@ GIB = 2**30
 
 def kv_bytes_per_token(model: ModelSpec) -> int:
     """KV bytes one token adds to the cache (K and V of every full-attention layer)."""
-    return 2 * model.n_kv * model.head_dim * model.full_attention_layers * model.bytes_per_elem
+    return model.kv_bytes_per_token()
 
 
 def prefill_flops(model: ModelSpec, tokens: float, cached_tokens: float = 0.0) -> float:

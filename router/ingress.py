@@ -41,17 +41,22 @@ app = FastAPI(title="kvstack", description="OpenAI-compatible endpoint with KV-c
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, replicas: Any, settings: dict[str, Any] | IngressSettings) -> None:
+    def __init__(self, replicas: Any, settings: dict[str, Any] | IngressSettings, pool_keeper: Any = None) -> None:
+        """``pool_keeper``: the app's ``PoolKeeper`` handle (or None with the pool off), held so Serve deploys it
+        with the app; its status is part of ``/kvstack/status``."""
+        from kvpool import keys
         from router.live_view import LiveView
         from router.vllm_frontend import build_frontend
 
         self.settings = settings if isinstance(settings, IngressSettings) else IngressSettings.model_validate(settings)
         self.replicas = replicas
+        self.pool_keeper = pool_keeper
         self.router_id = serve.get_replica_context().replica_id.unique_id
         self.view = LiveView.from_settings(self.settings)
         self.view.router_id = self.router_id
         self.view.replica_handle = replicas
         self.frontend = build_frontend(self.settings, self.view, replicas)
+        keys.warm_up()  # the block-key kernel is compiled (or loaded from its cache) now, not in a first request
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -121,9 +126,30 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        """The router's own metrics, then every replica's engine metrics (vLLM's ``vllm:*`` series with a
+        ``replica`` label, ``router.engine_metrics``), as vLLM's own server shows its engine's."""
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(generate_latest(self.view.registry), media_type=CONTENT_TYPE_LATEST)
+        from router.engine_metrics import merge_exposition
+
+        texts = {row["replica_id"]: reply["text"] for row, reply in await self._each_replica("engine_metrics")
+                 if reply.get("ok")}
+        return Response(merge_exposition(texts, first=self.view.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _each_replica(self, op: str, timeout_s: float = 30.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """``op`` on every replica this router knows, with each one's reply (an error reply when it failed).
+        One call at a time: handle calls made inside one HTTP request share Serve's internal request id, and the
+        request router matches a routing decision to its request by that id (see deployments.request_router)."""
+        from router.wire import ControlRequest
+
+        out: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        for row in self.view.replica_rows():
+            call = self.replicas.control.remote(ControlRequest(target_replica=row["replica_id"], op=op))
+            try:
+                out.append((row, await asyncio.wait_for(call, timeout=timeout_s)))
+            except Exception as exc:  # noqa: BLE001 - reported per replica
+                out.append((row, {"replica_id": row["replica_id"], "ok": False, "error": str(exc)}))
+        return out
 
     @app.get("/v1/models")
     async def models(self) -> Response:
@@ -160,34 +186,30 @@ class OpenAIIngress:
     @app.post("/kvstack/admin/reset_prefix_cache")
     async def reset_prefix_cache(self) -> Response:
         """Drop every replica's HBM prefix cache (benchmarks and tests: the next request must fetch or recompute)."""
-        from router.wire import ControlRequest
-
-        # One call at a time: handle calls made inside one HTTP request share Serve's internal request id, and
-        # the request router matches a routing decision to its request by that id (see deployments.request_router).
-        results: list[dict[str, Any]] = []
-        for row in self.view.replica_rows():
-            call = self.replicas.control.remote(ControlRequest(target_replica=row["replica_id"],
-                                                               op="reset_prefix_cache"))
-            try:
-                results.append(await asyncio.wait_for(call, timeout=30.0))
-            except Exception as exc:  # noqa: BLE001 - reported per replica
-                results.append({"replica_id": row["replica_id"], "ok": False, "error": str(exc)})
-        return JSONResponse(results)
+        return JSONResponse([reply for _, reply in await self._each_replica("reset_prefix_cache")])
 
     @app.get("/kvstack/status")
     async def status(self, decisions: int = 10) -> Response:
-        """Nodes, replicas (as this router sees them), pool shards, the tier prices this router uses (calibrated or
+        """Nodes, replicas (as this router sees them), pool shards, the tier prices and model spec this router uses (calibrated or
         configured) and recent decisions (``kvstack status``)."""
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
         shards = await self.view.shard_stats()
+        keeper: Any = None
+        if self.pool_keeper is not None:
+            try:
+                keeper = await asyncio.wait_for(self.pool_keeper.status.remote(), timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 - status shows what it can
+                keeper = {"error": f"{type(exc).__name__}: {exc}"}
         return JSONResponse({
             "nodes": [{"ip": n["NodeManagerAddress"], "node_id": n["NodeID"], "alive": n["Alive"],
                        "cpus": n.get("Resources", {}).get("CPU", 0.0)} for n in nodes if n["Alive"]],
             "replicas": self.view.replica_rows(),
             "shards": shards,
             "tiers": self.view.calibration_rows(),
+            "model_spec": self.view.hardware.model.model_dump(),  # what the cost model prices this model with
+            "pool_keeper": keeper,
             "decisions": await self.view.all_decisions(decisions),
         })
 

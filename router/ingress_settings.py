@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from configs.schema import Strict
+from configs.hf_model import pricing_spec
+from configs.schema import ModelSpec, Strict
 from router.hub import DEFAULT_HUB_NAME
 
 # The policies a deployment can name (``router.policies.runner.POLICIES`` has these and test-only ones).
@@ -50,12 +51,16 @@ class OpenAIFrontendSettings(Strict):
 class IngressSettings(Strict):
     # from the app config (deployments.app.ingress_settings)
     served_model_name: str
-    model_path: str = Field(description="local model directory: the tokenizer and chat template come from here")
+    model_path: str = Field(description="the engines' model (a directory or a Hugging Face id): the tokenizer, chat "
+                                        "template and the derived cost-model spec come from here")
+    engine_args: dict[str, Any] = Field(description="the engines' vLLM arguments (``EngineSettings."
+                                                    "vllm_engine_kwargs``): the ingress's model config is theirs")
     max_model_len: int = Field(gt=0)
     block_size: int = Field(gt=0)
     cache_salt: str = Field(description="the engines' cache salt: the ingress's block keys must match theirs")
     policy: PolicyName
-    model_spec: str = Field(description="configs/specs/models.yaml name used for pricing")
+    model_spec: str | None = Field(description="configs/specs/models.yaml name used for pricing (None: the spec "
+                                               "derived from the model's own files, configs.hf_model)")
     gpu_profile: str = Field(description="configs/specs/gpus.yaml name used for pricing")
     tiers: dict[TierRole, str] = Field(description="tier role -> tiers.yaml name")
     mfu: float = Field(gt=0, le=1, description="initial MFU; calibration replaces it")
@@ -70,3 +75,9 @@ class IngressSettings(Strict):
     poll_interval_s: float = Field(default=0.1, gt=0)
     replica_ttl_s: float = Field(default=10.0, gt=0)
     decision_log_size: int = Field(default=1024, gt=0)
+
+    def pricing_model_spec(self) -> ModelSpec:
+        """The model spec the cost model prices with: the named override, else the one derived from the model's
+        config.json and safetensors headers at the engines' dtype."""
+        return pricing_spec(self.model_path, self.model_spec, name=self.served_model_name, engine_dtype=self.dtype,
+                            kv_cache_dtype=self.engine_args.get("kv_cache_dtype"))

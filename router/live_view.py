@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import msgspec
 
-from configs import load_gpus, load_models, load_tiers, pick
+from configs import load_gpus, load_tiers, pick
 from kvpool.keys import BlockKey, chain_keys
 from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
@@ -105,7 +105,7 @@ class LiveView:
 
     @classmethod
     def from_settings(cls, settings: IngressSettings) -> LiveView:
-        model = pick("model", load_models(), settings.model_spec)
+        model = settings.pricing_model_spec()
         gpu = pick("GPU", load_gpus(), settings.gpu_profile)
         tiers = load_tiers()
         roles = {_ROLE_TO_TIERMAP[r]: name for r, name in settings.tiers.items() if r in _ROLE_TO_TIERMAP}

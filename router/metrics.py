@@ -77,8 +77,9 @@ class RouterMetrics:
             registry=r,
         )
         self.tier_bandwidth = Gauge(
-            "kvstack_router_tier_bandwidth_gbps",
-            "Pool tier bandwidth the cost model prices with (configured until calibrated from observed transfers)",
+            "kvstack_router_tier_bandwidth_bytes_per_second",
+            "Pool tier bandwidth the cost model prices with, bytes per second (configured until calibrated from "
+            "observed transfers)",
             ["tier_class"], registry=r,
         )
         self.tier_latency = Gauge(
@@ -145,9 +146,10 @@ class RouterMetrics:
         self.transfer_bytes.labels(tier_class).inc(nbytes)
 
     def set_tier_prices(self, prices: dict[str, tuple[float, float]]) -> None:
-        """``tier_class -> (bandwidth GB/s as priced, i.e. times bw_util, latency seconds)``."""
+        """``tier_class -> (bandwidth GB/s as priced, i.e. times bw_util, latency seconds)``; exposed in base units
+        (bytes per second)."""
         for cls, (gbps, latency) in prices.items():
-            self.tier_bandwidth.labels(cls).set(gbps)
+            self.tier_bandwidth.labels(cls).set(gbps * 1e9)
             self.tier_latency.labels(cls).set(latency)
 
     def set_inflight(self, replica_id: str, count: int) -> None:

@@ -3,11 +3,12 @@
 Contract: ``build_frontend(settings, view, replicas)`` returns a ``VllmFrontend`` holding vLLM's own serving
 objects — ``OpenAIServingModels``, ``OpenAIServingChat``, ``OpenAIServingCompletion``, ``ServingTokenization`` —
 constructed the way ``vllm serve`` constructs them (``vllm.entrypoints.launchers.api_server.app_state``), from:
-- a ``VllmConfig`` holding the model config of the engines (model path, served name, max_model_len, dtype: from
-  ``IngressSettings``) and their structured-outputs config (the reasoning parser), built without an engine as
-  vLLM's own GPU-less render server builds it (``vllm.entrypoints.launchers.render``);
-- vLLM's serve arguments: the defaults of vLLM's own CLI parser, with the ingress's ``OpenAIFrontendSettings`` (same
-  names as the flags) laid over them and checked by vLLM's ``validate_parsed_serve_args``;
+- a ``VllmConfig`` holding the model config of the engines and their structured-outputs config (the reasoning
+  parser), built without an engine as vLLM's own GPU-less render server builds it
+  (``vllm.entrypoints.launchers.render``);
+- vLLM's serve arguments: the engines' own arguments (``IngressSettings.engine_args``, parsed by vLLM's CLI parser
+  as ``vllm serve`` parses them, ``router.vllm_args``), with the ingress's ``OpenAIFrontendSettings`` (same names as
+  the flags) laid over them and checked by vLLM's ``validate_parsed_serve_args``;
 - ``router.engine_client.RoutedEngineClient`` as the engine client, so each engine request is routed.
 So tool calling (parsers, ``tool_choice`` constraints), reasoning, structured outputs, batched prompts, echo,
 logprobs, streaming deltas and usage are vLLM's code. Called once by ``router.ingress.OpenAIIngress.__init__``; an
@@ -34,16 +35,16 @@ class VllmFrontend:
 
 
 def serve_args(settings: IngressSettings) -> argparse.Namespace:
-    """``vllm serve`` arguments for this ingress: vLLM's parser defaults, the model, the OpenAI options."""
+    """``vllm serve`` arguments for this ingress, parsed by vLLM's own parser: the engines' arguments (so the model
+    config, tokenizer and structured-output settings are theirs) and the OpenAI options."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from router.vllm_args import cli_args
+
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvstack-ingress"))
-    args = parser.parse_args(["--model", settings.model_path])
+    args = parser.parse_args(cli_args(settings.engine_args))
     args.served_model_name = [settings.served_model_name]
-    args.max_model_len = settings.max_model_len
-    args.dtype = settings.dtype
-    args.reasoning_parser = settings.reasoning_parser or ""
     args.enable_prompt_tokens_details = True  # usage.prompt_tokens_details.cached_tokens: the cache's effect
     for name, value in settings.openai.vllm_serve_kwargs(only_changed=False).items():
         if not hasattr(args, name):

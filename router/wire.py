@@ -29,7 +29,7 @@ WIRE_VERSION = 2  # 2: vLLM's SamplingParams on the wire, vLLM's logprob entries
 # Layout component of the routing namespace until the engine reports the fingerprint of the layout it registered.
 DEFAULT_LAYOUT_TAG = "kvstack-engine"
 # What an operator can ask one replica (``deployments.replica.VLLMReplica.control``).
-ControlOp = Literal["reset_prefix_cache", "info"]
+ControlOp = Literal["reset_prefix_cache", "info", "engine_metrics"]
 
 
 def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprint: str = DEFAULT_LAYOUT_TAG

@@ -32,19 +32,30 @@ DEPLOY_DEADLINE_S = 900.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="serve config YAML (default: %(default)s)")
-    parser.add_argument("--port", type=int, help="HTTP port (overrides http.port)")
-    parser.add_argument("--workers", type=int, help="local worker nodes (overrides cluster.workers)")
-    parser.add_argument("--replicas", type=int, help="vLLM replicas (overrides app.replicas.num_replicas)")
-    parser.add_argument("--policy", help="routing policy (overrides app.router.policy)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, e.g. --set app.pool.enabled=false (value parsed as YAML)")
+    add_config_arguments(parser)
     parser.add_argument("--state-file", type=Path, default=Path(".kvstack/serve.json"),
                         help="where to write the endpoint/pids for `kvstack status` (default: %(default)s)")
     parser.add_argument("--log-dir", type=Path, default=Path(".kvstack/logs"),
                         help="directory of the log file for Ray's and vLLM's logs (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true",
                         help="show Ray's and vLLM's logs on the terminal instead of writing them to the log file")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose and override the serve config (``kvstack serve`` and ``kvstack serve-config``)."""
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="serve config YAML (default: %(default)s)")
+    parser.add_argument("--model", metavar="ID_OR_PATH",
+                        help="serve this model (a local directory, or a Hugging Face id downloaded where the hub is "
+                             "reachable) instead of the config's; no tiny model is generated and the cost model's spec "
+                             "comes from the model's own config (overrides app.engine.model)")
+    parser.add_argument("--served-model-name", help="the name clients put in `model` (default with --model: the "
+                                                    "directory's name or the id)")
+    parser.add_argument("--port", type=int, help="HTTP port (overrides http.port)")
+    parser.add_argument("--workers", type=int, help="local worker nodes (overrides cluster.workers)")
+    parser.add_argument("--replicas", type=int, help="vLLM replicas (overrides app.replicas.num_replicas)")
+    parser.add_argument("--policy", help="routing policy (overrides app.router.policy)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key, e.g. --set app.pool.enabled=false (value parsed as YAML)")
 
 
 class Progress:
@@ -59,8 +70,16 @@ class Progress:
         say(f"[kvstack {time.monotonic() - self.t0:6.1f}s] {what} ({time.monotonic() - since:.1f}s)")
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_serve_config``'s overrides for the flags of ``add_config_arguments``."""
     out: dict[str, Any] = {}
+    if args.model is not None:  # a model of the user's: nothing generated, nothing of the tiny model's kept
+        out["app.engine.model"] = args.model
+        out["app.engine.served_model_name"] = None
+        out["tiny_model"] = None
+        out["app.router.model_spec"] = None
+    if args.served_model_name is not None:
+        out["app.engine.served_model_name"] = args.served_model_name
     if args.port is not None:
         out["http.port"] = args.port
     if args.workers is not None:
@@ -79,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.serve_config import load_serve_config
 
     try:
-        cfg = load_serve_config(args.config, _overrides(args))
+        cfg = load_serve_config(args.config, config_overrides(args))
     except (ConfigError, UnknownNameError, ValueError) as exc:
         print(f"kvstack serve: {exc}", file=sys.stderr)
         return 2
@@ -145,6 +164,8 @@ class ServeStack:
         prepare_environment()
         if cfg.tiny_model is not None:
             self._ensure_tiny_model()
+        else:
+            self._ensure_model()
         if stop.is_set():
             return
         if cfg.cluster.mode == "local":
@@ -174,6 +195,22 @@ class ServeStack:
         t = self.progress.step(f"tiny model {self.cfg.tiny_model.arch}/{self.cfg.tiny_model.preset} at {path}")
         ensure_configured(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset, path)
         self.progress.done("tiny model ready", t)
+
+    def _ensure_model(self) -> None:
+        """A Hugging Face id is downloaded once here (into the hub's cache, shared by this machine's replicas and
+        the ingress); a local directory is used as is."""
+        model = self.cfg.app.engine.model
+        if Path(model).is_dir():
+            return
+        from huggingface_hub import snapshot_download
+
+        t = self.progress.step(f"model {model}: fetching it from the Hugging Face hub (or its cache)")
+        try:
+            path = snapshot_download(model)
+        except Exception as exc:  # noqa: BLE001 - offline, unknown id, no access: one clear message
+            raise RuntimeError(f"model {model!r} is not a local directory and the Hugging Face hub cannot provide "
+                               f"it: {type(exc).__name__}: {exc}") from None
+        self.progress.done(f"model ready at {path}", t)
 
     def _start_shards(self) -> None:
         from deployments.pool_setup import start_pool

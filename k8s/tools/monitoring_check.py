@@ -38,7 +38,7 @@ _ENDPOINT_KEYS = {"port", "portNumber", "targetPort", "path", "scheme", "params"
 _RELABEL_KEYS = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
 _RELABEL_ACTIONS = {"replace", "keep", "drop", "keepequal", "dropequal", "hashmod", "labelmap", "labeldrop",
                     "labelkeep", "lowercase", "uppercase"}
-_METRIC_RE = re.compile(r"\b((?:kvstack|ray)_[a-zA-Z0-9_]+)\b")
+_METRIC_RE = re.compile(r"\b((?:kvstack|ray)_[a-zA-Z0-9_]+|vllm:[a-zA-Z0-9_]+)")
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
 
@@ -216,6 +216,23 @@ def defined_metrics(path: Path) -> dict[str, MetricDef]:
             name = name[: -len("_total")]
         for suffix in _EXPOSED[func]:
             out[name + suffix] = MetricDef(func, labels + (("le",) if suffix == "_bucket" else ()))
+    return out
+
+
+_VLLM_KINDS = {"_counter_cls": "Counter", "_gauge_cls": "Gauge", "_histogram_cls": "Histogram"}
+
+
+def vllm_defined_metrics(path: Path, labels: tuple[str, ...] = ("model_name", "engine")) -> dict[str, MetricDef]:
+    """Exposed sample name -> (type, labels) of vLLM's engine metrics, read from the source of vLLM's Prometheus
+    stat logger (``vllm/v1/metrics/loggers.py``: ``self._gauge_cls(name="vllm:...", ...)``). Every one carries
+    vLLM's ``model_name`` and ``engine`` labels (some more, which the dashboard does not use)."""
+    out: dict[str, MetricDef] = {}
+    for match in re.finditer(r"self\.(_counter_cls|_gauge_cls|_histogram_cls)\(\s*name=\"(vllm:[a-zA-Z0-9_]+)\"",
+                             path.read_text()):
+        kind = _VLLM_KINDS[match.group(1)]
+        name = match.group(2)
+        for suffix in _EXPOSED[kind]:
+            out[name + suffix] = MetricDef(kind, labels)
     return out
 
 

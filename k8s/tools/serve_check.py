@@ -95,6 +95,8 @@ def unknown_keys(data: Any, model: type[BaseModel], path: str) -> Iterator[str]:
     for key, value in data.items():
         here = f"{path}.{key}" if path else str(key)
         info = fields.get(key)
+        if info is None and model.model_config.get("extra") == "allow":
+            continue  # a model that takes any key checks them itself (EngineSettings: vLLM's engine arguments)
         if info is None:
             known = ", ".join(sorted(model.model_fields))
             yield f"{here}: unknown key for {model.__name__} (known: {known})"
@@ -399,7 +401,7 @@ def _check_placement(groups: list[NodeGroup], hosts: list[NodeGroup], ing_hosts:
     for g in {g.name: g for g in hosts + ing_hosts}.values():
         if _mount_for(g, model_path) is None:
             who = "replicas" if g in hosts else "ingress replicas (they load the tokenizer)"
-            problems.append(Problem(where, g.path, f"{who} can run here but engine.model_path {model_path} is not on "
+            problems.append(Problem(where, g.path, f"{who} can run here but engine.model {model_path} is not on "
                                     "a mounted volume"))
     for g in groups:
         if rep_gpus > 0 and g in hosts:

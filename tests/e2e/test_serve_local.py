@@ -48,7 +48,7 @@ def app_config() -> Any:
     ingress's vLLM server options)."""
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 
-    return load_serve_config(DEFAULT_CONFIG, {"app.engine.model_path": str(REPO / ".kvstack/models/tiny-qwen3")}
+    return load_serve_config(DEFAULT_CONFIG, {"app.engine.model": str(REPO / ".kvstack/models/tiny-qwen3")}
                              ).app
 
 

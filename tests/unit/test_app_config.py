@@ -13,7 +13,7 @@ from deployments.app_config import AppConfig
 
 def _args(**overrides: Any) -> dict[str, Any]:
     args: dict[str, Any] = {
-        "engine": {"model_path": "/models/tiny-qwen3", "served_model_name": "tiny-qwen3"},
+        "engine": {"model": "/models/tiny-qwen3", "served_model_name": "tiny-qwen3"},
         "replicas": {"num_replicas": 2},
         "router": {"model_spec": "tiny-qwen3", "gpu_profile": "cpu-2core"},
         "pool": {"dram_bytes": 2**28},
@@ -41,7 +41,7 @@ def test_unknown_keys_are_rejected_at_every_level() -> None:
     with pytest.raises(ValidationError, match="replica"):
         AppConfig.model_validate({**_args(), "replica": {}})
     with pytest.raises(ValidationError, match="max_model_length"):
-        AppConfig.model_validate(_args(engine={"model_path": "/m", "served_model_name": "m", "max_model_length": 8}))
+        AppConfig.model_validate(_args(engine={"model": "/m", "served_model_name": "m", "max_model_length": 8}))
 
 
 @pytest.mark.parametrize(
@@ -68,6 +68,24 @@ def test_autoscaling_bounds_and_serve_options() -> None:
         "downscale_delay_s": 600.0,
     }
     assert cfg.serve_ray_actor_options() == {"num_cpus": 8.0, "num_gpus": 1.0}
+
+
+def test_every_serve_autoscaling_key_passes_through_and_an_unknown_one_is_named() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    options = {"max_replicas": 6, "upscaling_factor": 2.0, "downscaling_factor": 0.5, "look_back_period_s": 20.0,
+               "metrics_interval_s": 5.0, "smoothing_factor": 1.5, "aggregation_function": "max",
+               "downscale_to_zero_delay_s": 900.0}
+    cfg = AppConfig.model_validate(_args(replicas={"autoscaling_config": options}))
+    got = cfg.serve_autoscaling_config()
+    assert {k: got[k] for k in options} == options
+    AutoscalingConfig.model_validate(got)
+    with pytest.raises(ValidationError, match=r"autoscaling_config\.upscale_factor: not a Ray Serve autoscaling "
+                                              r"option \(did you mean upscaling_factor"):
+        AppConfig.model_validate(_args(replicas={"autoscaling_config": {"max_replicas": 2, "upscale_factor": 2}}))
+    with pytest.raises(ValidationError, match="aggregation_function"):
+        AppConfig.model_validate(_args(replicas={"autoscaling_config": {"max_replicas": 2,
+                                                                        "aggregation_function": "median"}}))
 
 
 def test_serve_autoscaling_config_is_accepted_by_ray_serve() -> None:
@@ -116,7 +134,7 @@ def test_check_spec_names_lists_the_known_names(router: dict[str, Any], message:
 # builder cannot drop it) or is one of the router's own runtime knobs. A new field must be added to one of the two.
 FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-default value)
     "served_model_name": ("engine", "served_model_name", "tiny-x"),
-    "model_path": ("engine", "model_path", "/models/x"),
+    "model_path": ("engine", "model", "/models/x"),
     "max_model_len": ("engine", "max_model_len", 1234),
     "block_size": ("engine", "block_size", 32),
     "cache_salt": ("engine", "cache_salt", "tenant-7"),
@@ -134,6 +152,7 @@ FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-
 }
 ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "replica_ttl_s",
                         "decision_log_size"}
+ENGINE_ARGS = {"engine_args"}  # the engines' whole vLLM arguments (EngineSettings.vllm_engine_kwargs)
 
 
 def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
@@ -141,14 +160,16 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
     from router.ingress_settings import IngressSettings
 
     fields = IngressSettings.model_fields
-    assert set(fields) == set(FROM_APP_CONFIG) | ROUTER_RUNTIME_KNOBS
-    assert all(fields[name].is_required() for name in FROM_APP_CONFIG)
+    assert set(fields) == set(FROM_APP_CONFIG) | ROUTER_RUNTIME_KNOBS | ENGINE_ARGS
+    assert all(fields[name].is_required() for name in set(FROM_APP_CONFIG) | ENGINE_ARGS)
     args = _args()
     defaults = AppConfig.model_validate(args)
     for section, key, value in FROM_APP_CONFIG.values():
         assert getattr(getattr(defaults, section), key) != value, (section, key)  # the test value is not a default
         args[section] = {**args.get(section, {}), key: value}
-    got = ingress_settings(AppConfig.model_validate(args))
+    cfg = AppConfig.model_validate(args)
+    got = ingress_settings(cfg)
+    assert got.engine_args == cfg.engine.vllm_engine_kwargs()
     for name, (_, _, value) in FROM_APP_CONFIG.items():
         got_value = getattr(got, name)
         if hasattr(got_value, "model_dump"):
@@ -159,7 +180,7 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
 def test_router_settings_are_typed() -> None:
     from router.ingress_settings import IngressSettings
 
-    base = {name: value for name, (_, _, value) in FROM_APP_CONFIG.items()}
+    base = {name: value for name, (_, _, value) in FROM_APP_CONFIG.items()} | {"engine_args": {"model": "/m"}}
     IngressSettings.model_validate(base)
     with pytest.raises(ValidationError, match="policy"):
         IngressSettings.model_validate({**base, "policy": "cost-based"})
@@ -194,6 +215,10 @@ def test_every_settings_class_is_strict() -> None:
     models = [obj for m in modules for obj in vars(m).values()
               if inspect.isclass(obj) and issubclass(obj, BaseModel) and obj.__module__ == m.__name__]
     assert len(models) >= 10, models
-    assert all(issubclass(m, Strict) for m in models), [m for m in models if not issubclass(m, Strict)]
+    # EngineSettings takes any vLLM engine argument (vLLM's own parser checks the keys it does not declare)
+    open_models = {deployments.engine_settings.EngineSettings, deployments.app_config.AutoscalingSettings}
+    assert all(m.model_config.get("frozen") for m in open_models)
+    assert all(issubclass(m, Strict) for m in models if m not in open_models), [
+        m for m in models if not issubclass(m, Strict)]
     names = [m.__name__ for m in models]
     assert len(names) == len(set(names)), names

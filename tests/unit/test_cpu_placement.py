@@ -135,7 +135,7 @@ def test_vllm_binding_settings() -> None:
 
 
 def test_replicas_carry_the_thread_count() -> None:
-    base = {"engine": {"model_path": "/m", "served_model_name": "m"}, "router": {"model_spec": "tiny-qwen3",
+    base = {"engine": {"model": "/m", "served_model_name": "m"}, "router": {"model_spec": "tiny-qwen3",
             "gpu_profile": "cpu-2core"}, "pool": {"dram_bytes": 2**28}}
     cfg = AppConfig.model_validate({**base, "replicas": {"num_replicas": 2, "num_cpus": 3}})
     assert cfg.replicas.engine_threads() == 3 and cfg.replicas.cpu_binding == "exclusive"

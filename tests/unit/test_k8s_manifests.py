@@ -36,7 +36,7 @@ K8S = REPO_ROOT / "k8s"
 SHARED = REPO_ROOT.parent / "shared"
 CRD_DIR = SHARED / "k8s-crds"
 
-from deployments.app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT
+from deployments.app import INGRESS_DEPLOYMENT, POOL_KEEPER_DEPLOYMENT, REPLICA_DEPLOYMENT
 from k8s.tools import manifest_check, monitoring_check, serve_check
 
 APP_DIRS = ["base", "overlays/local-kind", "overlays/gpu"]
@@ -222,6 +222,27 @@ def test_serve_config_passes_ray_serve_schema_and_key_names(rel: str) -> None:
     assert not problems, _fmt(problems)
 
 
+@pytest.mark.parametrize("rel", APP_DIRS)
+def test_serve_config_is_what_kvstack_serve_config_writes_for_its_app(rel: str) -> None:
+    """One source: the RayService's serveConfigV2 is the document ``kvstack serve-config`` writes for a config with
+    the same app on an existing cluster (``cluster.serve_config.serve_config_document``), plus per-deployment
+    overrides, which must agree with the app (``test_args_overrides_and_pods_agree``)."""
+    from cluster.serve_config import ServeFileConfig, serve_config_document
+    from deployments.app_config import AppConfig
+
+    deployed = yaml.safe_load(ray_service(rel)["spec"]["serveConfigV2"])
+    (app,) = deployed["applications"]
+    cfg = ServeFileConfig(cluster={"mode": "existing", "address": "auto"}, http=deployed["http_options"],
+                          app=AppConfig.model_validate(app["args"]))
+    written = serve_config_document(cfg)
+    assert {k: v for k, v in deployed.items() if k != "applications"} == {
+        k: v for k, v in written.items() if k != "applications"}
+    (want,) = written["applications"]
+    assert {k: app[k] for k in ("name", "route_prefix", "import_path")} == {
+        k: want[k] for k in ("name", "route_prefix", "import_path")}
+    assert AppConfig.model_validate(want["args"]) == AppConfig.model_validate(app["args"])
+
+
 def test_key_name_walk_finds_typos_ray_serve_ignores() -> None:
     from ray.serve.schema import ServeDeploySchema
 
@@ -292,7 +313,8 @@ def test_built_app_has_the_configured_deployments(rel: str) -> None:
     graph = serve_check.built_deployments(serve_check.resolve(app["import_path"]), app["args"], app["name"])
     classes = {name: f"{obj.__module__}.{obj.__qualname__}" for name, obj in graph.items()}
     assert classes == {INGRESS_DEPLOYMENT: "router.ingress.OpenAIIngress",
-                       REPLICA_DEPLOYMENT: "deployments.replica.VLLMReplica"}
+                       REPLICA_DEPLOYMENT: "deployments.replica.VLLMReplica",
+                       POOL_KEEPER_DEPLOYMENT: "deployments.pool_keeper.PoolKeeper"}
     assert {d["name"] for d in app["deployments"]} == set(graph)
 
 
@@ -402,7 +424,7 @@ BROKEN: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("ssd-disk-not-requested", lambda r: _container(r)["resources"]["requests"].pop("ephemeral-storage"),
      "resources/requests", "ephemeral-storage request 0.0 GiB < pool.ssd_bytes"),
     ("model-not-mounted", lambda r: _container(r)["volumeMounts"].pop(0),
-     "workerGroupSpecs/0", "engine.model_path /models/Qwen3-14B is not on a mounted volume"),
+     "workerGroupSpecs/0", "engine.model /models/Qwen3-14B is not on a mounted volume"),
     ("ingress-can-land-on-head",
      lambda r: _serve(r, lambda a: a["deployments"][0]["ray_actor_options"].update(num_cpus=0)),
      "headGroupSpec", "ingress replicas (they load the tokenizer) can run here"),
@@ -491,6 +513,23 @@ SCRAPE_LABELS = {"namespace", "pod", "instance", "job", "container", "endpoint",
 RAY_SERVE_LABELS = {"deployment", "replica", "application"}
 
 
+def vllm_package_dir() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    return list(spec.submodule_search_locations)[0]
+
+
+def test_dashboard_has_engine_panels_next_to_kvstacks() -> None:
+    exprs = "\n".join(e for _, e in monitoring_check.dashboard_queries(_dashboard()))
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:prefix_cache_hits_total",
+                 "vllm:prefix_cache_queries_total"):
+        assert name in exprs, name
+
+
 def test_dashboard_has_the_panels_issue_6_asks_for() -> None:
     queries = monitoring_check.dashboard_queries(_dashboard())
     assert queries and all(expr.strip() for _, expr in queries)
@@ -512,6 +551,10 @@ def test_dashboard_metric_and_label_names_exist() -> None:
     for prefix, source in METRIC_SOURCES.items():
         if source.is_file():
             defined.update(monitoring_check.defined_metrics(source))
+    # vLLM's engine metrics, as the endpoint's /metrics serves them (router.engine_metrics: a `replica` label added)
+    vllm_loggers = Path(vllm_package_dir()) / "v1" / "metrics" / "loggers.py"
+    engine = monitoring_check.vllm_defined_metrics(vllm_loggers, labels=("model_name", "engine", "replica"))
+    assert "vllm:num_requests_running" in engine and "vllm:time_to_first_token_seconds_bucket" in engine
     problems = []
     for title, expr in monitoring_check.dashboard_queries(_dashboard()):
         names = monitoring_check.referenced_metrics(expr)
@@ -521,6 +564,12 @@ def test_dashboard_metric_and_label_names_exist() -> None:
                 if f'"{monitoring_check.base_name(name)[len("ray_"):]}"' not in serve_sources:
                     problems.append(f"{title}: {name} is not a Ray Serve metric")
                 labels |= RAY_SERVE_LABELS
+                continue
+            if name.startswith("vllm:"):
+                if name not in engine:
+                    problems.append(f"{title}: {name} is not an engine metric of the installed vLLM")
+                else:
+                    labels |= set(engine[name].labels)
                 continue
             prefix = next((p for p in METRIC_SOURCES if name.startswith(p)), None)
             if prefix is None:

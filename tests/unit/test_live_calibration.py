@@ -19,7 +19,8 @@ BW_UTIL = 0.7
 
 def make_view() -> LiveView:
     settings = IngressSettings(
-        served_model_name="m", model_path="/nonexistent", max_model_len=4096, block_size=16, cache_salt="",
+        served_model_name="m", model_path="/nonexistent", engine_args={"model": "/nonexistent"},
+        max_model_len=4096, block_size=16, cache_salt="",
         policy="cost_based", model_spec="qwen3-14b", gpu_profile="h100-sxm5-80gb", mfu=0.4, bw_util=BW_UTIL, seed=0,
         tiers={"local_dram": "cpu-dram", "remote_dram": "rdma-pool", "local_ssd": "local-ssd"},
         dtype="bfloat16", reasoning_parser=None, openai=OpenAIFrontendSettings(),
@@ -52,8 +53,9 @@ def test_fetch_timings_recalibrate_the_policy_prices_after_enough_samples() -> N
     rows = {r["tier_class"]: r for r in view.calibration_rows()}
     assert rows["dram_remote"]["calibrated"] and rows["dram_remote"]["observed"] == 9
     assert not rows["dram_local"]["calibrated"] and rows["dram_local"]["observed"] == 0
-    text = view.registry.get_sample_value("kvstack_router_tier_bandwidth_gbps", {"tier_class": "dram_remote"})
-    assert text == pytest.approx(0.5, rel=1e-3)
+    text = view.registry.get_sample_value("kvstack_router_tier_bandwidth_bytes_per_second",
+                                          {"tier_class": "dram_remote"})
+    assert text == pytest.approx(0.5e9, rel=1e-3)
     assert view.registry.get_sample_value("kvstack_router_observed_transfers_total", {"tier_class": "dram_remote"}) == 9
 
 

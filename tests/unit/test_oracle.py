@@ -10,7 +10,7 @@ from deployments.engine_settings import EngineSettings
 
 
 def test_reference_runs_the_replicas_engine_arguments() -> None:
-    engine = EngineSettings(model_path="/m/tiny", served_model_name="tiny", max_model_len=2048, block_size=128,
+    engine = EngineSettings(model="/m/tiny", served_model_name="tiny", max_model_len=2048, block_size=128,
                             kv_cache_memory_bytes=1 << 24, max_num_seqs=8)
     cmd = reference_command(engine.vllm_engine_kwargs(), 9999)
     args = dict(zip(cmd[::1], cmd[1:], strict=False))
@@ -32,7 +32,7 @@ def test_reference_serves_the_same_openai_options() -> None:
                                     default_chat_template_kwargs={"enable_thinking": False}, max_request_body_bytes=7)
     assert set(openai.vllm_serve_kwargs()) == {"enable_auto_tool_choice", "tool_call_parser",
                                                "default_chat_template_kwargs"}
-    engine = EngineSettings(model_path="/m/tiny", served_model_name="tiny", reasoning_parser="qwen3")
+    engine = EngineSettings(model="/m/tiny", served_model_name="tiny", reasoning_parser="qwen3")
     cmd = reference_command({**engine.vllm_engine_kwargs(), **openai.vllm_serve_kwargs()}, 9999)
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
     assert parsed.enable_auto_tool_choice is True and parsed.tool_call_parser == "hermes"

@@ -11,6 +11,7 @@ import yaml
 
 from cluster.serve_config import ServeFileConfig, load_serve_config
 from configs.loader import ConfigError, UnknownNameError
+from deployments.app_config import AppConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "configs" / "local.yaml"
@@ -51,7 +52,7 @@ def test_gpu_config_loads() -> None:
 
 def test_relative_model_path_resolves_against_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = local_raw()
-    raw["app"]["engine"]["model_path"] = "models/m"
+    raw["app"]["engine"]["model"] = "models/m"
     (tmp_path / "cfgdir").mkdir()
     path = write(tmp_path / "cfgdir", raw)
     work = tmp_path / "work"
@@ -68,7 +69,6 @@ def test_relative_model_path_resolves_against_the_cwd(tmp_path: Path, monkeypatc
         (lambda r: r["cluster"].update(wrokers=3), "cluster.wrokers"),
         (lambda r: r["http"].update(tls=True), "http.tls"),
         (lambda r: r["app"].update(extra=1), "app.extra"),
-        (lambda r: r["app"]["engine"].update(gpu_memory_utilization=0.9), "app.engine.gpu_memory_utilization"),
         (lambda r: r["app"]["router"].update(polcy="x"), "app.router.polcy"),
         (lambda r: r["app"]["pool"].update(dram=1), "app.pool.dram"),
     ],
@@ -134,7 +134,7 @@ def test_override_creates_missing_and_null_sections(tmp_path: Path) -> None:
 
 
 def test_bad_overrides_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="app.engine.bogus: unknown key"):
+    with pytest.raises(ConfigError, match="app.engine.bogus: not an engine argument of vLLM"):
         load_serve_config(LOCAL, {"app.engine.bogus": 1})
     with pytest.raises(ConfigError, match="http.port"):
         load_serve_config(LOCAL, {"http.port": "eighty"})
@@ -147,7 +147,7 @@ def test_build_app_from_the_local_app_section() -> None:
     import ray
     from ray import serve
 
-    from deployments.app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, build_app
+    from deployments.app import INGRESS_DEPLOYMENT, POOL_KEEPER_DEPLOYMENT, REPLICA_DEPLOYMENT, build_app
 
     ray_was_up = ray.is_initialized()  # a session-scoped test cluster may already be connected in a full run
     app = build_app(local_raw()["app"])  # the raw mapping, as Serve passes `args`
@@ -155,8 +155,9 @@ def test_build_app_from_the_local_app_section() -> None:
     assert ray.is_initialized() == ray_was_up, "build_app must not start or stop Ray"
     ingress = app._bound_deployment
     assert ingress.name == INGRESS_DEPLOYMENT
-    replicas, settings = ingress.init_args
+    replicas, settings, keeper = ingress.init_args
     assert isinstance(replicas, serve.Application)
+    assert keeper._bound_deployment.name == POOL_KEEPER_DEPLOYMENT  # the pool comes with the app
     assert replicas._bound_deployment.name == REPLICA_DEPLOYMENT
     assert replicas._bound_deployment.num_replicas == 2
     assert replicas._bound_deployment.init_args[0].model_path.endswith("tiny-qwen3")
@@ -170,3 +171,33 @@ def test_build_app_rejects_unknown_spec_names() -> None:
     app["router"]["gpu_profile"] = "h100-typo"
     with pytest.raises(UnknownNameError, match="h100-typo"):
         build_app(app)
+
+
+def test_serve_config_document_serves_the_same_app_and_passes_ray_serves_schema(tmp_path: Path) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve_config import serve_config_document
+    from deployments.app import build_app
+
+    cfg = load_serve_config(LOCAL, {"app.engine.max_num_batched_tokens": 2048, "http.port": 8123})
+    doc = serve_config_document(cfg)
+    ServeDeploySchema.model_validate(doc)
+    (app,) = doc["applications"]
+    assert app["import_path"] == "deployments.app:build_app" and doc["http_options"]["port"] == 8123
+    assert AppConfig.model_validate(app["args"]) == cfg.app  # the same app, any engine argument included
+    assert app["args"]["engine"]["max_num_batched_tokens"] == 2048
+    assert Path(app["args"]["engine"]["model"]).is_absolute() and Path(app["args"]["pool"]["ssd_dir"]).is_absolute()
+    build_app(app["args"])  # what `serve run` calls with them
+
+
+def test_serve_config_command_writes_only_the_document_to_stdout() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve-config", "--model", "/models/qwen3",
+                          "--out", "-"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    doc = yaml.safe_load(out.stdout)
+    engine = doc["applications"][0]["args"]["engine"]
+    assert engine["model"] == "/models/qwen3" and engine["served_model_name"] == "qwen3"
+    assert "model_spec" not in doc["applications"][0]["args"]["router"]  # derived from the model's own config

@@ -108,8 +108,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def frontend_for(model_dir: Path, reasoning_parser: str | None = None) -> tuple[Any, View, Replicas]:
     from router.vllm_frontend import build_frontend
 
+    from deployments.engine_settings import EngineSettings
+
+    engine = EngineSettings(model=str(model_dir), served_model_name=MODEL, max_model_len=2048, block_size=16,
+                            reasoning_parser=reasoning_parser)
     settings = IngressSettings(
-        served_model_name=MODEL, model_path=str(model_dir), max_model_len=2048, block_size=16, cache_salt="",
+        served_model_name=MODEL, model_path=str(model_dir), engine_args=engine.vllm_engine_kwargs(),
+        max_model_len=2048, block_size=16, cache_salt="",
         policy="round_robin", model_spec="qwen3-0.6b", gpu_profile="cpu-2core", tiers={"hbm": "hbm"}, mfu=0.4,
         bw_util=0.7, seed=0, dtype="bfloat16", reasoning_parser=reasoning_parser,
         openai=OpenAIFrontendSettings(enable_auto_tool_choice=True, tool_call_parser="hermes"))
