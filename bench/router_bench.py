@@ -205,11 +205,13 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from configs.loader import load_gpus, load_models, load_tiers, pick
-    from kvpool.keys import Namespace, block_keys
+    from kvpool.keys import Namespace, block_keys, enable_jit
     from router.cost import Hardware
     from router.policies.base import RouteRequest
     from router.policies.pricing import TierMap
     from router.policies.runner import PolicyRunner, make_policy
+
+    enable_jit()  # the router's hashing path (router.ingress turns the kernel on the same way)
 
     replica_counts = _ints(args.replicas, "replicas")
     block_counts = sorted(_ints(args.blocks, "blocks"))

@@ -88,6 +88,12 @@ def load_tiers(path: Path | None = None) -> dict[str, TierSpec]:
     return load_named(TierSpec, path or SPECS_DIR / "tiers.yaml")
 
 
+def gpu_for_device(gpus: Mapping[str, GpuProfile], device: str) -> GpuProfile | None:
+    """The profile whose ``device_names`` lists ``device`` (a replica's ``torch.cuda.get_device_name``, or
+    ``cpu``), None when none does."""
+    return next((g for g in gpus.values() if device in g.device_names), None)
+
+
 def pick(kind: str, table: Mapping[str, T], name: str) -> T:
     """``table[name]`` or UnknownNameError listing the known names."""
     try:

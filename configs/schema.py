@@ -108,6 +108,8 @@ class GpuProfile(Strict):
     bf16_tflops: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0, description="HBM bandwidth, GB/s (1e9 bytes/s)")
     hbm_gib: float = Field(gt=0)
+    device_names: tuple[str, ...] = Field(
+        default=(), description="device names this profile is detected from (torch.cuda.get_device_name; 'cpu')")
     description: str = ""
 
 

@@ -113,7 +113,9 @@ class RouterSettings(Strict):
     model_spec: str | None = Field(
         default=None, description="a model name in configs/specs/models.yaml to price with instead of the spec "
                                   "derived from the model's own config.json and safetensors (configs.hf_model)")
-    gpu_profile: str = Field(description="GPU name in configs/specs/gpus.yaml")
+    gpu_profile: str | None = Field(
+        default=None, description="GPU name in configs/specs/gpus.yaml (None: detected from the replicas' device, "
+                                  "configs/specs/gpus.yaml device_names)")
     tiers: dict[TierRole, str] = Field(
         default_factory=lambda: dict(DEFAULT_TIER_MAP), description="tier role -> tier name in tiers.yaml"
     )
@@ -178,7 +180,8 @@ class AppConfig(Strict):
         """Raise ``configs.loader.UnknownNameError`` (listing the known names) for a name no spec defines."""
         if self.router.model_spec is not None:
             pick("model", models, self.router.model_spec)
-        pick("GPU", gpus, self.router.gpu_profile)
+        if self.router.gpu_profile is not None:
+            pick("GPU", gpus, self.router.gpu_profile)
         for tier_name in self.router.tiers.values():
             pick("tier", tiers, tier_name)
 

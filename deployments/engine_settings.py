@@ -5,8 +5,9 @@
 ``trust_remote_code``, ``structured_outputs_config``, ... — checked by vLLM's own parser when the config is loaded
 (``router.vllm_args``: an unknown or ill-typed key is an error naming it, before anything starts). The fields
 declared here are those kvstack reads itself or gives another default than vLLM (the CPU build's block size, a fixed
-KV cache, eager mode, a seed); ``kv_bytes_per_token``, ``kv_events`` and ``cache_salt`` are kvstack's own. The keys
-kvstack sets itself (its connector, KV events, prefix caching, the worker extension) are refused.
+KV cache, eager mode, a seed); ``kv_bytes_per_token``, ``kv_events``, ``cache_salt`` and ``startup_probe`` are
+kvstack's own. The keys kvstack sets itself (its connector, KV events, prefix caching, the worker extension) are
+refused.
 
 Parsed once by the entrypoint (``deployments.app_config.AppConfig`` embeds it) and passed to
 ``deployments.replica.VLLMReplica``; ``vllm_engine_kwargs`` is what the replica, the ingress's renderer, plain vLLM's
@@ -65,6 +66,8 @@ class EngineSettings(BaseModel):
     )
     kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
     cache_salt: str = ""
+    startup_probe: bool = Field(default=True, description="time a few cold prefills when the engine starts, so the "
+                                                          "routers price this engine with what it measured")
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,7 @@ import msgspec
 
 from deployments.app_config import PoolSettings
 from deployments.cpu_placement import claim_cores, engine_arguments, engine_environment
+from deployments.engine_probe import probe_engine
 from deployments.engine_settings import EngineSettings
 from deployments.engine_worker import BINDING_METHOD, WORKER_EXTENSION
 from router.hub import (
@@ -231,6 +232,8 @@ class VLLMReplica:
             self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt, fingerprint)
             if self._events is not None:
                 self._events.translator.root = self.key_root
+        # the device and timed cold prefills: the routers price this replica with what its engine measured
+        self.profile = await probe_engine(self.engine, self.settings.max_model_len, self.settings.startup_probe)
         self.running = 0
         self.waiting = 0
         self._seq = 0
@@ -474,7 +477,7 @@ class VLLMReplica:
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
                 waiting=self.waiting, key_root=bytes(self.key_root), stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
-                placement=self.cpu_claim.placement,
+                placement=self.cpu_claim.placement, profile=self.profile,
             )
             try:
                 await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)

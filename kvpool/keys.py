@@ -11,11 +11,15 @@ and a crafted collision would hand one tenant's KV blocks to another prompt.
 
 Two implementations give identical bytes: a loop of ``hashlib.blake2b`` calls, and ``kvpool.blake2b_chain``, one
 numba call for the whole chain (~3-4x faster on long prompts: the loop's ~0.7 µs per block of interpreter overhead
-goes; the compression itself runs at hashlib's C speed). The kernel is imported lazily, by the first chain of at least
-``JIT_MIN_BLOCKS`` blocks or by ``warm_up()`` (call it at process start: the import costs ~0.3 s with numba's disk
-cache warm, ~1.7 s compiling). hashlib serves shorter chains, parents that are not 16 bytes, big-endian hosts,
-processes where the kernel cannot be imported (numba missing), ``KVSTACK_KEYS_JIT=0`` in the environment or
-``use_jit = False``, and any call where the kernel raises (logged once).
+goes; the compression itself runs at hashlib's C speed).
+
+The kernel is opt-in per process: ``enable_jit()`` (the router's ingress calls it at start; the import costs ~0.3 s
+with numba's disk cache warm, ~1.7 s compiling). Never in a process that builds a vLLM engine: vLLM's CPU build scans
+every loaded module's globals when a worker starts (``register_triton_kernel_overrides``) and fails on llvmlite's
+function wrappers once numba is loaded — so the connector, which runs inside the engine, and in-process engines in
+tests and benches hash with hashlib. hashlib also serves chains shorter than ``JIT_MIN_BLOCKS``, parents that are not
+16 bytes, big-endian hosts, processes where the kernel cannot be imported (numba missing), ``KVSTACK_KEYS_JIT=0``
+in the environment, and any call where the kernel raises (logged once).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ _NS_TAG = b"kvstack.ns.v1"
 # Python loop costs until ~4 blocks for an array, ~6 for a list (measured, block sizes 16 and 128).
 JIT_MIN_BLOCKS = 6
 _LITTLE = sys.byteorder == "little"
-use_jit: bool = os.environ.get("KVSTACK_KEYS_JIT", "1") != "0" and _LITTLE  # the kernel assumes little-endian
+_JIT_ALLOWED = os.environ.get("KVSTACK_KEYS_JIT", "1") != "0" and _LITTLE  # the kernel assumes little-endian
+use_jit: bool = False  # enable_jit() turns it on (see the module docstring)
 _kernel: Callable[[np.ndarray, int, int, np.ndarray], np.ndarray] | None = None
 _kernel_failed = False  # the import failed: hashlib for the rest of the process
 _kernel_errors = 0  # calls where the kernel raised (each fell back to hashlib); logged once
@@ -114,8 +119,17 @@ def _load_kernel() -> Callable[[np.ndarray, int, int, np.ndarray], np.ndarray] |
     return _kernel
 
 
+def enable_jit() -> bool:
+    """Hash long chains with the numba kernel in this process from now on, loading it now (process start) rather
+    than on the first long prompt; True if it is in use. Not in a process that builds a vLLM engine (module
+    docstring)."""
+    global use_jit
+    use_jit = _JIT_ALLOWED
+    return warm_up()
+
+
 def warm_up() -> bool:
-    """Load the fast kernel now (process start) rather than on the first long prompt; True if it is in use."""
+    """Load the fast kernel now if this process hashes with it; True if it is in use."""
     return use_jit and _load_kernel() is not None
 
 

@@ -65,6 +65,22 @@ class ReplicaPlacement(msgspec.Struct, frozen=True, kw_only=True):
     engine_workers: list[EngineWorkerBinding] = []
 
 
+class PrefillSample(msgspec.Struct, frozen=True, array_like=True):
+    """One timed cold prefill of the replica's start-up probe: prompt tokens, seconds to the first token."""
+
+    tokens: int
+    seconds: float
+
+
+class EngineProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replica measured of its engine at start-up (``deployments.replica``): its device (``torch.cuda.
+    get_device_name``, or ``cpu``) and cold prefills of several lengths; the routers detect the GPU profile from the
+    device (when none is configured) and fit the replica's MFU to the prefills before its first request."""
+
+    device: str
+    prefills: list[PrefillSample] = []
+
+
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     version: int = HUB_WIRE_VERSION
     replica_id: str
@@ -80,6 +96,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     gone: bool = False  # the replica left (forgotten)
     transfers: list[TransferSample] = []  # pool fetches finished since the previous report
     placement: ReplicaPlacement | None = None  # the CPUs the replica's engine threads are bound to
+    profile: EngineProfile | None = None  # the engine's device and start-up prefill probe
 
 
 class PollReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -56,7 +56,7 @@ class OpenAIIngress:
         self.view.router_id = self.router_id
         self.view.replica_handle = replicas
         self.frontend = build_frontend(self.settings, self.view, replicas)
-        keys.warm_up()  # the block-key kernel is compiled (or loaded from its cache) now, not in a first request
+        keys.enable_jit()  # the block-key kernel, compiled (or loaded from its cache) now, not in a request
         self._refresher = asyncio.get_event_loop().create_task(self.view.run())
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -190,8 +190,9 @@ class OpenAIIngress:
 
     @app.get("/kvstack/status")
     async def status(self, decisions: int = 10) -> Response:
-        """Nodes, replicas (as this router sees them), pool shards, the tier prices and model spec this router uses (calibrated or
-        configured) and recent decisions (``kvstack status``)."""
+        """Nodes, replicas (as this router sees them, with their calibrated MFU), pool shards, the tier prices and
+        model spec this router uses (calibrated or configured), the pool keeper's last pass and recent decisions
+        (``kvstack status``)."""
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)

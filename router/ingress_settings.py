@@ -61,7 +61,8 @@ class IngressSettings(Strict):
     policy: PolicyName
     model_spec: str | None = Field(description="configs/specs/models.yaml name used for pricing (None: the spec "
                                                "derived from the model's own files, configs.hf_model)")
-    gpu_profile: str = Field(description="configs/specs/gpus.yaml name used for pricing")
+    gpu_profile: str | None = Field(description="configs/specs/gpus.yaml name used for pricing (None: detected "
+                                                "from the replicas' device)")
     tiers: dict[TierRole, str] = Field(description="tier role -> tiers.yaml name")
     mfu: float = Field(gt=0, le=1, description="initial MFU; calibration replaces it")
     bw_util: float = Field(gt=0, le=1, description="initial bandwidth utilisation; calibration replaces it")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,12 +30,13 @@ from typing import Any, cast
 import msgspec
 
 from configs import load_gpus, load_tiers, pick
+from configs.loader import gpu_for_device
 from kvpool.keys import BlockKey, chain_keys
 from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from kvpool.connector.timing import PoolRequestTiming
 from router.decision import AuditLog, DecisionRecord, RequestTimeline
-from router.hub import PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
+from router.hub import EngineProfile, PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
@@ -100,13 +102,18 @@ class LiveView:
         self._hub: Any = None
         self.shard_sync = ShardSync(self.index)
         self.router_id = ""  # set by the ingress (its Serve replica id)
+        self._profiled: set[str] = set()  # replicas whose start-up engine profile was applied
         self._published_decisions = 0
         self._published_at = -1e9
 
     @classmethod
     def from_settings(cls, settings: IngressSettings) -> LiveView:
         model = settings.pricing_model_spec()
-        gpu = pick("GPU", load_gpus(), settings.gpu_profile)
+        gpus = load_gpus()
+        # No configured profile: price with the CPU placeholder until the replicas report their device.
+        gpu = pick("GPU", gpus, settings.gpu_profile) if settings.gpu_profile else gpu_for_device(gpus, "cpu")
+        if gpu is None:
+            raise ValueError("configs/specs/gpus.yaml lists no profile for device 'cpu' (the placeholder)")
         tiers = load_tiers()
         roles = {_ROLE_TO_TIERMAP[r]: name for r, name in settings.tiers.items() if r in _ROLE_TO_TIERMAP}
         tier_map = TierMap.from_tiers(tiers, **roles)
@@ -165,6 +172,8 @@ class LiveView:
                 report.placement or (prev.placement if prev else None))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
+            if report.profile is not None and report.replica_id not in self._profiled:
+                self._apply_profile(report.replica_id, report.profile)
             if report.transfers:
                 self._observe_transfers(report)
                 calibrate = True
@@ -173,6 +182,24 @@ class LiveView:
         self._cursor = reply.cursor
         if self.index.take_resync_requests("replica"):
             self._cursor = -1  # the hub answers an impossible cursor with a full snapshot
+
+    def _apply_profile(self, replica_id: str, profile: EngineProfile) -> None:
+        """A replica's start-up profile: without a configured GPU profile, the one its device matches
+        (``configs/specs/gpus.yaml`` ``device_names``) prices every replica from now on; its probe prefills fit
+        its MFU (``router.calibration``), so the first decision for it is priced with what its engine measured."""
+        self._profiled.add(replica_id)
+        if self.settings.gpu_profile is None:
+            gpu = gpu_for_device(load_gpus(), profile.device)
+            if gpu is None:
+                log.warning("router %s: replica %s's device %r matches no profile in gpus.yaml; pricing with %s",
+                            self.router_id, replica_id, profile.device, self.hardware.gpu.name)
+            elif gpu != self.hardware.gpu:
+                log.info("router %s: pricing with GPU profile %s (device %r)", self.router_id, gpu.name,
+                         profile.device)
+                self.hardware = dataclasses.replace(self.hardware, gpu=gpu)
+        for sample in profile.prefills:
+            if sample.tokens > 0 and sample.seconds > 0:
+                self.calibrator.observe_prefill(replica_id, self.hardware, sample.tokens, 0, sample.seconds)
 
     def _observe_transfers(self, report: ReplicaReport) -> None:
         """Feed the replica's finished pool fetches to the tier fits: the tier class is the one the policy priced
@@ -213,6 +240,7 @@ class LiveView:
         self.index.remove_source("replica", replica_id)
         self.metrics.forget_replica(replica_id)
         self.calibrator.forget_replica(replica_id)
+        self._profiled.discard(replica_id)
 
     async def _list_shards(self) -> list[tuple[ShardEvents, str]]:
         """The pool's shards (``kvpool.shard.registry``; a blocking Ray lookup, so off the loop) as event sources."""
@@ -329,6 +357,7 @@ class LiveView:
     def replica_rows(self) -> list[dict[str, Any]]:
         return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
                  "hbm_blocks": self.index.held_blocks("replica", rid, "hbm"),
+                 "mfu": self.calibrator.hardware(rid, self.hardware).mfu, "gpu_profile": self.hardware.gpu.name,
                  "placement": msgspec.to_builtins(load.placement) if load.placement else None}
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 

@@ -40,7 +40,7 @@ from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
 from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.connector.pool import PoolShards
-from kvpool.keys import BlockKey, Namespace, chain_keys, warm_up
+from kvpool.keys import BlockKey, Namespace, chain_keys
 from kvpool.layout import KvLayout
 from kvpool.events import Tier
 
@@ -108,7 +108,6 @@ class SchedulerSide:
         name = vllm_config.model_config.served_model_name
         self.model_id = cfg.model_id or (name[0] if isinstance(name, list) else str(name))
         self.block_size = self.plan.block_size
-        warm_up()  # the block-key kernel is ready before the scheduler's first request
         self.fingerprint: str | None = None
         self.layout: KvLayout | None = None
         self.shards = PoolShards(cfg)

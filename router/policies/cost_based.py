@@ -385,7 +385,9 @@ class CostBased(RoutingPolicy):
         hws = [r.hw for r in rs]
         hw0 = hws[0]
         groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split, self.split_staging)}
-        if hws.count(hw0) == n:  # one hardware: the fast class, except replicas on a node with a pool hit
+        if all(hw is hw0 for hw in hws):  # one hardware object (groups are keyed by identity; equal values may be
+            # distinct objects, e.g. two replicas calibrated to the same MFU): the fast class, except replicas on a
+            # node with a pool hit
             g0 = groups[id(hw0)]
             fast = g0.fast
             fc = fast.cost

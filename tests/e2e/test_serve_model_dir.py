@@ -53,6 +53,9 @@ def test_the_cost_model_prices_with_the_spec_derived_from_the_model(server, mode
     spec = status["model_spec"]
     assert (spec["layers"], spec["n_q"], spec["n_kv"], spec["head_dim"]) == (6, 6, 3, 64)
     assert spec == model_spec(str(model_dir), model_dir.name, engine_dtype="bfloat16").model_dump()
+    # each replica's start-up prefill probe fitted its MFU: priced with what its engine measured, not the configured
+    rows = status["replicas"]
+    assert len(rows) == 2 and all(r["gpu_profile"] == "cpu-2core" and r["mfu"] != 0.4 for r in rows), rows
 
 
 def test_the_engines_vllm_metrics_are_on_the_endpoints_metrics(server) -> None:

@@ -108,12 +108,14 @@ def test_speed_128k_prompt_recorded(record_property: pytest.RecordProperty) -> N
 # --- The numba kernel (kvpool/blake2b_chain.py) and the hashlib fallback give the same bytes --------------------------
 
 PARENT = bytes(range(100, 116))
-# 16 + 4 * block_size message bytes: 28 → exactly one 128-byte chunk, 29 → just over; 60 → exactly two, 61 → just over.
+# 16 + 4 * block_size message bytes: 28 → exactly one 128-byte chunk, 29 → just over;
+# 60 → exactly two, 61 → just over.
 BLOCK_SIZES = (1, 2, 3, 7, 16, 27, 28, 29, 31, 32, 33, 60, 61, 124, 125, 128, 500)
 
 
 def reference_chain(parent: bytes, tokens: list[int], bs: int, limit: int | None = None) -> list[bytes]:
-    """The contract, written independently of kvpool.keys: key_i = BLAKE2b-128(key_{i-1} ‖ uint32-LE ids of block i)."""
+    """The contract, written independently of kvpool.keys:
+    key_i = BLAKE2b-128(key_{i-1} ‖ uint32-LE ids of block i)."""
     n = len(tokens) // bs if limit is None else max(0, min(len(tokens) // bs, limit))
     keys, prev = [], parent
     for i in range(n):
@@ -124,9 +126,25 @@ def reference_chain(parent: bytes, tokens: list[int], bs: int, limit: int | None
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel_loaded_before_timed_tests() -> None:
-    """Load the kernel once up front: its first load (~0.3 s, ~1.7 s compiling) would blow a hypothesis deadline."""
-    keys_mod.warm_up()
+def kernel_loaded_before_timed_tests() -> Iterator[None]:
+    """The kernel on (as in the router) and loaded once up front: its first load (~0.3 s, ~1.7 s compiling) would
+    blow a hypothesis deadline. Off again after this module, as in every process that did not ask for it."""
+    keys_mod.enable_jit()
+    yield
+    keys_mod.use_jit = False
+
+
+def test_the_kernel_is_off_unless_a_process_asks_for_it() -> None:
+    """A vLLM engine cannot start in a process that loaded numba (vLLM's CPU build scans every module's globals and
+    fails on llvmlite's wrappers): importing kvpool.keys and hashing long prompts must not load it."""
+    script = ("import sys, kvpool.keys as k\n"
+              "k.chain_keys(bytes(16), list(range(16 * 100)), 16)\n"
+              "assert not k.use_jit and 'numba' not in sys.modules and 'llvmlite' not in sys.modules\n"
+              "assert k.enable_jit() and 'numba' in sys.modules\n"
+              "print('ok')\n")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 @pytest.fixture
@@ -291,7 +309,7 @@ def test_kernel_imports_without_a_writable_cache(tmp_path: Path) -> None:
         "def refuse(self): raise PermissionError('read-only')\n"
         "c._CacheLocator.ensure_cache_path = refuse\n"
         "import kvpool.blake2b_chain as b, kvpool.keys as k\n"
-        "assert not b.CACHED and k.warm_up()\n"
+        "assert not b.CACHED and k.enable_jit()\n"
         "toks = list(range(16 * 40))\n"
         "fast = k.chain_keys(bytes(16), toks, 16); k.use_jit = False\n"
         "assert fast == k.chain_keys(bytes(16), toks, 16) and k._kernel_errors == 0\n"
