@@ -74,10 +74,17 @@ def load_serve_config(path: Path, overrides: dict[str, Any] | None = None) -> Se
     # Relative paths (a local model, the SSD directory) are relative to the current directory, where kvstack runs:
     # made absolute here, so the replicas, the ingress and the pool keeper (Ray workers elsewhere) read the same.
     app = cfg.app
-    model = app.engine.model
-    if is_local_model(model, generated=cfg.tiny_model is not None) and not Path(model).is_absolute():
-        app = app.model_copy(update={"engine": app.engine.model_copy(
-            update={"model": str(Path(model).expanduser().resolve())})})
+
+    def resolved(engine: Any, generated: bool) -> Any:
+        if is_local_model(engine.model, generated=generated) and not Path(engine.model).is_absolute():
+            return engine.model_copy(update={"model": str(Path(engine.model).expanduser().resolve())})
+        return engine
+
+    if app.models is None:
+        app = app.model_copy(update={"engine": resolved(app.engine, cfg.tiny_model is not None)})
+    else:
+        app = app.model_copy(update={"models": [m.model_copy(update={"engine": resolved(m.engine, False)})
+                                                for m in app.models]})
     if app.pool.ssd_dir and not Path(app.pool.ssd_dir).is_absolute():
         app = app.model_copy(update={"pool": app.pool.model_copy(
             update={"ssd_dir": str(Path(app.pool.ssd_dir).expanduser().resolve())})})

@@ -1,4 +1,4 @@
-"""The kvstack Serve application: ``build_app(args)`` → ingress (router) + vLLM replica deployment.
+"""The kvstack Serve application: ``build_app(args)`` → ingress (router) + one vLLM replica deployment per model.
 
 Who calls it: ``kvstack serve`` (``cluster.commands.serve``) and Ray Serve itself from a Serve config
 (``import_path: deployments.app:build_app``, KubeRay's ``serveConfigV2``). ``args`` is parsed once into
@@ -7,21 +7,25 @@ Who calls it: ``kvstack serve`` (``cluster.commands.serve``) and Ray Serve itsel
 replicas load their engines, and the ingress its tokenizer, when they start. The ``ClusterViewHub`` actor is
 created on first use by whichever component starts first (``router.hub.get_or_create_hub``). With the pool on, a
 ``PoolKeeper`` deployment (``deployments.pool_keeper``) starts a pool shard on every node, including nodes that join
-later; it is bound into the ingress's arguments so that Serve deploys it with the app.
+later; it is bound into the ingress's arguments so that Serve deploys it with the app. Several models
+(``app.models``): one replica deployment and one hub per model, one ingress routing by the request's ``model``; the
+pool's shards are shared, their slot the largest block of any model, the keys apart by model (namespace).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from configs import load_gpus, load_models, load_tiers
-from deployments.app_config import AppConfig
+from deployments.app_config import AppConfig, ModelEntry
 from deployments.pool_keeper import PoolKeeper
 from deployments.replica import VLLMReplica
 from deployments.request_router import DecisionRequestRouter
+from router.hub import DEFAULT_HUB_NAME
 from router.ingress import OpenAIIngress
 from router.ingress_settings import IngressSettings
 
@@ -30,37 +34,51 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 POOL_KEEPER_DEPLOYMENT = "PoolKeeper"
 
 
-def ingress_settings(cfg: AppConfig) -> IngressSettings:
-    """The router's runtime settings from the app config: the one place they are built (every field the config
-    holds is required by ``IngressSettings``, so none is dropped on the way)."""
+def ingress_settings(cfg: AppConfig, entry: ModelEntry | None = None, index: int = 0) -> IngressSettings:
+    """The router's runtime settings for one model of the app (default: the first) from the app config: the one
+    place they are built (every field the config holds is required by ``IngressSettings``, so none is dropped on
+    the way). Each model of a multi-model app has its own hub (``hub_name``), so its own replicas and cluster view."""
+    entry = entry or cfg.first
+    engine = entry.engine
     return IngressSettings(
-        served_model_name=cfg.engine.served_model_name,
-        model_path=cfg.engine.model_path,
-        engine_args=cfg.engine.vllm_engine_kwargs(),
-        max_model_len=cfg.engine.max_model_len,
-        block_size=cfg.engine.block_size,
-        cache_salt=cfg.engine.cache_salt,
-        policy=cfg.router.policy,
-        model_spec=cfg.router.model_spec,
+        served_model_name=engine.served_model_name,
+        model_path=engine.model_path,
+        engine_args=engine.vllm_engine_kwargs(),
+        max_model_len=engine.max_model_len,
+        block_size=engine.block_size,
+        cache_salt=engine.cache_salt,
+        policy=entry.policy or cfg.router.policy,
+        model_spec=entry.model_spec or cfg.router.model_spec,
         gpu_profile=cfg.router.gpu_profile,
         tiers=dict(cfg.router.tiers),
         mfu=cfg.router.mfu,
         bw_util=cfg.router.bw_util,
         seed=cfg.router.seed,
-        dtype=cfg.engine.dtype,
-        reasoning_parser=cfg.engine.reasoning_parser,
+        dtype=engine.dtype,
+        reasoning_parser=engine.reasoning_parser,
         openai=cfg.ingress.openai,
+        hub_name=hub_name(index),
     )
 
 
-def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
-    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
-    cfg.check_spec_names(load_models(), load_gpus(), load_tiers())
+def hub_name(index: int) -> str:
+    """The cluster-view hub of the app's ``index``-th model (the first keeps the single-model name)."""
+    return DEFAULT_HUB_NAME if index == 0 else f"{DEFAULT_HUB_NAME}-{index}"
 
+
+def replica_deployment_name(cfg: AppConfig, index: int) -> str:
+    """``VLLMReplica`` for a single-model app; one deployment per model otherwise (``VLLMReplica-<i>-<name>``)."""
+    if cfg.models is None:
+        return REPLICA_DEPLOYMENT
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.entries()[index].engine.served_model_name)
+    return f"{REPLICA_DEPLOYMENT}-{index}-{name}"
+
+
+def _replicas(cfg: AppConfig, entry: ModelEntry, index: int) -> serve.Application:
     replica_options: dict[str, Any] = dict(
-        name=REPLICA_DEPLOYMENT,
-        ray_actor_options=cfg.serve_ray_actor_options(),
-        max_ongoing_requests=cfg.replicas.max_ongoing_requests,
+        name=replica_deployment_name(cfg, index),
+        ray_actor_options=entry.serve_ray_actor_options(),
+        max_ongoing_requests=entry.replicas.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=DecisionRequestRouter, request_routing_stats_period_s=1.0
         ),
@@ -68,26 +86,35 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
     )
-    engine = cfg.engine
-    placement_group = cfg.serve_placement_group()
+    engine = entry.engine
+    placement_group = entry.serve_placement_group()
     if placement_group is not None:
         replica_options.update(placement_group)
         if "distributed_executor_backend" not in engine.extra_engine_args():  # vLLM's Ray executor: the group's GPUs
             engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
-    autoscaling = cfg.serve_autoscaling_config()
+    autoscaling = entry.serve_autoscaling_config()
     if autoscaling is not None:
         replica_options["autoscaling_config"] = autoscaling
     else:
-        replica_options["num_replicas"] = cfg.replicas.num_replicas
-    replicas = serve.deployment(VLLMReplica).options(**replica_options).bind(
-        engine, cfg.pool, threads=cfg.replicas.engine_threads(), cpu_binding=cfg.replicas.cpu_binding)
+        replica_options["num_replicas"] = entry.replicas.num_replicas
+    # every model's engine sizes the node's pool shard (one slot size for all: the largest block)
+    pool_engines = [m.engine for m in cfg.entries()]
+    return serve.deployment(VLLMReplica).options(**replica_options).bind(
+        engine, cfg.pool, hub_name=hub_name(index), threads=entry.replicas.engine_threads(),
+        cpu_binding=entry.replicas.cpu_binding, pool_engines=pool_engines)
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    cfg.check_spec_names(load_models(), load_gpus(), load_tiers())
+    routes = [(_replicas(cfg, entry, i), ingress_settings(cfg, entry, i)) for i, entry in enumerate(cfg.entries())]
 
     keeper = None
     if cfg.pool.enabled:  # the pool belongs to the app: a shard on every node, also those that join later
         keeper = serve.deployment(PoolKeeper).options(
             name=POOL_KEEPER_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
             health_check_period_s=10,
-        ).bind(cfg.engine, cfg.pool)
+        ).bind([m.engine for m in cfg.entries()], cfg.pool)
 
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
@@ -95,4 +122,4 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=256,
     )
-    return ingress.bind(replicas, ingress_settings(cfg), keeper)
+    return ingress.bind(routes, keeper)

@@ -161,29 +161,16 @@ class IngressDeploymentSettings(Strict):
     openai: OpenAIFrontendSettings = Field(default_factory=OpenAIFrontendSettings)
 
 
-class AppConfig(Strict):
-    """Everything ``build_app`` needs; one YAML/JSON mapping (Serve ``args``)."""
+class ModelEntry(Strict):
+    """One model of the app: its engine, its replica deployment and, optionally, its own routing policy and pricing
+    spec (else ``app.router``'s). ``app.models`` lists several; a single-model config's ``app.engine`` and
+    ``app.replicas`` are its one entry."""
 
-    version: Literal[1] = APP_CONFIG_VERSION
     engine: EngineSettings
     replicas: ReplicaSettings
-    router: RouterSettings
-    pool: PoolSettings
-    ingress: IngressDeploymentSettings = Field(default_factory=IngressDeploymentSettings)
-
-    def check_spec_names(
-        self,
-        models: Mapping[str, ModelSpec],
-        gpus: Mapping[str, GpuProfile],
-        tiers: Mapping[str, TierSpec],
-    ) -> None:
-        """Raise ``configs.loader.UnknownNameError`` (listing the known names) for a name no spec defines."""
-        if self.router.model_spec is not None:
-            pick("model", models, self.router.model_spec)
-        if self.router.gpu_profile is not None:
-            pick("GPU", gpus, self.router.gpu_profile)
-        for tier_name in self.router.tiers.values():
-            pick("tier", tiers, tier_name)
+    policy: PolicyName | None = None
+    model_spec: str | None = Field(default=None, description="a configs/specs/models.yaml name (else the router's, "
+                                                              "else derived from the model's own files)")
 
     def serve_autoscaling_config(self) -> dict[str, Any] | None:
         """The replica deployment's Serve ``autoscaling_config`` (None for a fixed replica count)."""
@@ -211,3 +198,64 @@ class AppConfig(Strict):
         pipeline = int(self.engine.extra_engine_args().get("pipeline_parallel_size", 1))
         return {"placement_group_bundles": bundles,
                 "placement_group_strategy": "PACK" if pipeline > 1 else "STRICT_PACK"}
+
+
+class AppConfig(Strict):
+    """Everything ``build_app`` needs; one YAML/JSON mapping (Serve ``args``). One model (``engine`` and
+    ``replicas``) or several (``models``, each answering under its own ``served_model_name``)."""
+
+    version: Literal[1] = APP_CONFIG_VERSION
+    engine: EngineSettings | None = None
+    replicas: ReplicaSettings | None = None
+    models: list[ModelEntry] | None = Field(default=None, min_length=1)
+    router: RouterSettings
+    pool: PoolSettings
+    ingress: IngressDeploymentSettings = Field(default_factory=IngressDeploymentSettings)
+
+    @model_validator(mode="after")
+    def _one_model_or_a_list(self) -> AppConfig:
+        single = (self.engine is not None, self.replicas is not None)
+        if self.models is None and single != (True, True):
+            raise ValueError("set app.engine and app.replicas (one model), or app.models (several)")
+        if self.models is not None and any(single):
+            raise ValueError("app.models lists every model: app.engine and app.replicas go into its entries")
+        names = [m.engine.served_model_name for m in self.entries()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"app.models: two models are served under one name: {names}")
+        return self
+
+    def entries(self) -> list[ModelEntry]:
+        """Every model of the app, the single-model config's as its one entry."""
+        if self.models is not None:
+            return list(self.models)
+        assert self.engine is not None and self.replicas is not None
+        return [ModelEntry(engine=self.engine, replicas=self.replicas)]
+
+    @property
+    def first(self) -> ModelEntry:
+        """The first (for a single-model config: the only) model."""
+        return self.entries()[0]
+
+    def check_spec_names(
+        self,
+        models: Mapping[str, ModelSpec],
+        gpus: Mapping[str, GpuProfile],
+        tiers: Mapping[str, TierSpec],
+    ) -> None:
+        """Raise ``configs.loader.UnknownNameError`` (listing the known names) for a name no spec defines."""
+        for name in {self.router.model_spec, *(m.model_spec for m in self.entries())} - {None}:
+            pick("model", models, name)
+        if self.router.gpu_profile is not None:
+            pick("GPU", gpus, self.router.gpu_profile)
+        for tier_name in self.router.tiers.values():
+            pick("tier", tiers, tier_name)
+
+    # The first model's Serve options (a single-model config's): ModelEntry has them per model.
+    def serve_autoscaling_config(self) -> dict[str, Any] | None:
+        return self.first.serve_autoscaling_config()
+
+    def serve_ray_actor_options(self) -> dict[str, float]:
+        return self.first.serve_ray_actor_options()
+
+    def serve_placement_group(self) -> dict[str, Any] | None:
+        return self.first.serve_placement_group()

@@ -3,7 +3,7 @@
 Contract: while the app is deployed — by ``kvstack serve``, ``serve run`` / ``serve deploy`` of the file ``kvstack
 serve-config`` writes, or KubeRay's ``serveConfigV2`` — one ``PoolKeeper`` replica makes sure every alive node that
 can run replicas (a node with CPUs; a 0-CPU head gets none) has its named pool shard (``kvpool.shard.registry``),
-sized from the app config by ``deployments.pool_setup.shard_config``. It looks every ``interval_s`` seconds, so a node
+sized from the app's models by ``deployments.pool_setup.shard_config``. It looks every ``interval_s`` seconds, so a node
 that joins later (KubeRay's autoscaler adding a worker for a new replica) gets its shard within one interval, before
 or while that replica starts (the replica also ensures its own node's shard before its engine starts:
 ``ensure_local_shard``; both are idempotent, the shard is a detached actor found by name). A shard on a node that
@@ -31,9 +31,9 @@ SHARD_READY_DEADLINE_S = 120.0
 
 
 class PoolKeeper:
-    def __init__(self, engine: EngineSettings | dict[str, Any], pool: PoolSettings | dict[str, Any],
+    def __init__(self, engines: list[EngineSettings], pool: PoolSettings | dict[str, Any],
                  interval_s: float = DEFAULT_INTERVAL_S) -> None:
-        self.engine = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
+        self.engines = [e if isinstance(e, EngineSettings) else EngineSettings.model_validate(e) for e in engines]
         self.pool = pool if isinstance(pool, PoolSettings) else PoolSettings.model_validate(pool)
         self.interval_s = interval_s
         self.passes = 0
@@ -69,7 +69,7 @@ class PoolKeeper:
         if not missing:
             return []
         log.info("pool keeper: starting shards on %d node(s): %s", len(missing), [m[:12] for m in missing])
-        handles = build_pool(lambda node: shard_config(self.engine, self.pool, node), nodes=missing, detached=True,
+        handles = build_pool(lambda node: shard_config(self.engines, self.pool, node), nodes=missing, detached=True,
                              ready_deadline_s=SHARD_READY_DEADLINE_S)
         return [h.node_id for h in handles]
 

@@ -12,6 +12,7 @@ model's config.json; the connector refuses a pool whose slot size does not match
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from deployments.app_config import AppConfig, PoolSettings
@@ -28,9 +29,10 @@ def block_slot_bytes(engine: EngineSettings) -> int:
     return pool_slot_bytes_from_model(engine.model_path, engine.block_size)
 
 
-def shard_config(engine: EngineSettings, pool: PoolSettings, node: PoolNode) -> ShardConfig:
-    """The shard of ``node``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<shard id>``."""
-    slot = block_slot_bytes(engine)
+def shard_config(engines: Sequence[EngineSettings], pool: PoolSettings, node: PoolNode) -> ShardConfig:
+    """The shard of ``node``: a DRAM arena of ``pool.dram_bytes``, an SSD slab under ``pool.ssd_dir/<shard id>``,
+    slots of the largest block of the app's models (``engines``; the keys of each model are its own namespace)."""
+    slot = max(block_slot_bytes(engine) for engine in engines)
     shard_id = default_shard_id(node)
     ssd_slots = pool.ssd_bytes // slot if pool.ssd_dir else 0
     ssd_dir = str(Path(pool.ssd_dir).resolve() / shard_id) if ssd_slots else ""
@@ -45,17 +47,18 @@ def shard_config(engine: EngineSettings, pool: PoolSettings, node: PoolNode) -> 
 
 def start_pool(cfg: AppConfig, *, ready_deadline_s: float = 120.0) -> list[ShardHandle]:
     """One shard per worker node (nodes with CPUs; a 0-CPU head gets none), named for discovery."""
-    return build_pool(lambda node: shard_config(cfg.engine, cfg.pool, node), detached=True,
+    engines = [m.engine for m in cfg.entries()]
+    return build_pool(lambda node: shard_config(engines, cfg.pool, node), detached=True,
                       ready_deadline_s=ready_deadline_s)
 
 
-def ensure_local_shard(engine: EngineSettings, pool: PoolSettings, *, ready_deadline_s: float = 120.0
+def ensure_local_shard(engines: Sequence[EngineSettings], pool: PoolSettings, *, ready_deadline_s: float = 120.0
                        ) -> ShardHandle:
     """The shard of the caller's node, started if this node has none yet (a replica calls this before its engine
     starts, so nodes added later by the autoscaler — KubeRay — get their shard with their first replica)."""
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    (handle,) = build_pool(lambda node: shard_config(engine, pool, node), nodes=[node_id], detached=True,
+    (handle,) = build_pool(lambda node: shard_config(engines, pool, node), nodes=[node_id], detached=True,
                            ready_deadline_s=ready_deadline_s)
     return handle

@@ -186,12 +186,15 @@ class VLLMReplica:
 
     async def __init__(self, engine: dict[str, Any] | EngineSettings, pool: dict[str, Any] | PoolSettings | None = None,
                        hub_name: str | None = DEFAULT_HUB_NAME, hub_namespace: str | None = "kvstack",
-                       stats_interval_s: float = 0.5, threads: int = 1, cpu_binding: CpuBinding = "exclusive") -> None:
+                       stats_interval_s: float = 0.5, threads: int = 1, cpu_binding: CpuBinding = "exclusive",
+                       pool_engines: list[EngineSettings] | None = None) -> None:
+        """``pool_engines``: every model's engine of the app (they size the node's shard; default: this one)."""
         import ray
         from ray import serve
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
+        self.pool_engines = list(pool_engines or [self.settings])
         self._local_shard: Any = None  # this node's pool shard (ShardHandle) when the pool is on
         self.pool_touches = 0  # prefixes served from HBM whose pool blocks were refreshed
         self.split_stats = SplitStats()
@@ -280,7 +283,7 @@ class VLLMReplica:
         from kvpool.shard.wire import SHARD_NAMESPACE
 
         assert self.pool is not None
-        local = ensure_local_shard(self.settings, self.pool)
+        local = ensure_local_shard(self.pool_engines, self.pool)
         self._local_shard = local
         shards = [ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in list_shards(SHARD_NAMESPACE)]
         cfg = ConnectorConfig(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,25 +40,54 @@ log = logging.getLogger("kvstack.ingress")
 app = FastAPI(title="kvstack", description="OpenAI-compatible endpoint with KV-cache-aware routing")
 
 
+@dataclass
+class ModelRoute:
+    """One model the ingress serves: its router settings, its replicas' Serve handle, its live cluster view and the
+    vLLM serving objects rendering for it."""
+
+    settings: IngressSettings
+    replicas: Any
+    view: Any  # router.live_view.LiveView
+    frontend: Any  # router.vllm_frontend.VllmFrontend
+
+
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, replicas: Any, settings: dict[str, Any] | IngressSettings, pool_keeper: Any = None) -> None:
-        """``pool_keeper``: the app's ``PoolKeeper`` handle (or None with the pool off), held so Serve deploys it
-        with the app; its status is part of ``/kvstack/status``."""
+    def __init__(self, routes: list[tuple[Any, dict[str, Any] | IngressSettings]], pool_keeper: Any = None) -> None:
+        """``routes``: per model of the app, its replica deployment's handle and its router settings (the first
+        model answers requests without a ``model``, e.g. tokenize); ``pool_keeper``: the app's ``PoolKeeper``
+        handle (or None with the pool off), held so Serve deploys it with the app; its status is in
+        ``/kvstack/status``."""
         from kvpool import keys
         from router.live_view import LiveView
         from router.vllm_frontend import build_frontend
 
-        self.settings = settings if isinstance(settings, IngressSettings) else IngressSettings.model_validate(settings)
-        self.replicas = replicas
-        self.pool_keeper = pool_keeper
         self.router_id = serve.get_replica_context().replica_id.unique_id
-        self.view = LiveView.from_settings(self.settings)
-        self.view.router_id = self.router_id
-        self.view.replica_handle = replicas
-        self.frontend = build_frontend(self.settings, self.view, replicas)
+        self.pool_keeper = pool_keeper
+        self.models: dict[str, ModelRoute] = {}
+        self._refreshers = []
+        for replicas, raw in routes:
+            settings = raw if isinstance(raw, IngressSettings) else IngressSettings.model_validate(raw)
+            view = LiveView.from_settings(settings)
+            view.router_id = self.router_id
+            view.replica_handle = replicas
+            frontend = build_frontend(settings, view, replicas)
+            self.models[settings.served_model_name] = ModelRoute(settings, replicas, view, frontend)
+            self._refreshers.append(asyncio.get_event_loop().create_task(view.run()))
+        self.first = next(iter(self.models.values()))
+        self.settings = self.first.settings  # the options every model shares (the OpenAI layer's)
         keys.enable_jit()  # the block-key kernel, compiled (or loaded from its cache) now, not in a request
-        self._refresher = asyncio.get_event_loop().create_task(self.view.run())
+
+    def _route(self, model: str | None) -> ModelRoute:
+        """The model a request names (the first one when it names none); the OpenAI 404 for an unknown one."""
+        if not model:
+            return self.first
+        route = self.models.get(model)
+        if route is None:
+            raise fmt.ApiError(404, f"The model `{model}` does not exist. Available models: "
+                                    f"{', '.join(self.models)}", type_="NotFoundError", param="model",
+                               code="model_not_found")
+        return route
 
     # -- helpers ---------------------------------------------------------------------------------------------
     async def _request(self, raw: Request, model_cls: Any) -> Any:
@@ -92,8 +122,9 @@ class OpenAIIngress:
             raise fmt.ApiError(499, "client disconnected", code="client_disconnected")
         return task.result()
 
-    async def _generate(self, raw: Request, model_cls: Any, create: Any) -> Response:
-        """A chat or completion request through vLLM's serving layer (``create``), routed per prompt."""
+    async def _generate(self, raw: Request, model_cls: Any, create_of: Any) -> Response:
+        """A chat or completion request through its model's vLLM serving layer (``create_of(route)``), routed per
+        prompt."""
         # imported here: Serve pickles this class, and a module-level ContextVar does not pickle
         from router.engine_client import ROUTE_TRACE, RouteTrace
 
@@ -101,6 +132,7 @@ class OpenAIIngress:
         token = ROUTE_TRACE.set(trace)
         try:
             req = await self._request(raw, model_cls)
+            create = create_of(self._route(getattr(req, "model", None)))
             result = await self._until_disconnect(raw, fmt.call_vllm(create, req, raw))
             if hasattr(result, "model_dump"):
                 return JSONResponse(result.model_dump(), headers=self._headers(trace, ran_on_known=True))
@@ -111,10 +143,11 @@ class OpenAIIngress:
         finally:
             ROUTE_TRACE.reset(token)
 
-    async def _vllm_json(self, raw: Request, model_cls: Any, create: Any) -> Response:
-        """A request answered by vLLM's serving layer as one JSON object (tokenize, detokenize)."""
+    async def _vllm_json(self, raw: Request, model_cls: Any, create_of: Any) -> Response:
+        """A request answered by its model's vLLM serving layer as one JSON object (tokenize, detokenize)."""
         try:
             req = await self._request(raw, model_cls)
+            create = create_of(self._route(getattr(req, "model", None)))
             return JSONResponse((await fmt.call_vllm(create, req, raw)).model_dump())
         except fmt.ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
@@ -122,7 +155,7 @@ class OpenAIIngress:
     # -- routes ----------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok", "replicas": self.view.replica_count()})
+        return JSONResponse({"status": "ok", "replicas": sum(r.view.replica_count() for r in self.models.values())})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -132,9 +165,16 @@ class OpenAIIngress:
 
         from router.engine_metrics import merge_exposition
 
-        texts = {row["replica_id"]: reply["text"] for row, reply in await self._each_replica("engine_metrics")
-                 if reply.get("ok")}
-        return Response(merge_exposition(texts, first=self.view.registry), media_type=CONTENT_TYPE_LATEST)
+        engines = {row["replica_id"]: reply["text"] for row, reply in await self._each_replica("engine_metrics")
+                   if reply.get("ok")}
+        if len(self.models) == 1:
+            return Response(merge_exposition(engines, first=self.first.view.registry), media_type=CONTENT_TYPE_LATEST)
+        from prometheus_client import generate_latest
+
+        # several models: each model's router series with a `model` label, one family per name
+        routers = {name: generate_latest(r.view.registry).decode() for name, r in self.models.items()}
+        return Response(merge_exposition(routers, label="model") + merge_exposition(engines),
+                        media_type=CONTENT_TYPE_LATEST)
 
     async def _each_replica(self, op: str, timeout_s: float = 30.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """``op`` on every replica this router knows, with each one's reply (an error reply when it failed).
@@ -143,29 +183,36 @@ class OpenAIIngress:
         from router.wire import ControlRequest
 
         out: list[tuple[dict[str, Any], dict[str, Any]]] = []
-        for row in self.view.replica_rows():
-            call = self.replicas.control.remote(ControlRequest(target_replica=row["replica_id"], op=op))
-            try:
-                out.append((row, await asyncio.wait_for(call, timeout=timeout_s)))
-            except Exception as exc:  # noqa: BLE001 - reported per replica
-                out.append((row, {"replica_id": row["replica_id"], "ok": False, "error": str(exc)}))
+        for route in self.models.values():
+            for row in route.view.replica_rows():
+                call = route.replicas.control.remote(ControlRequest(target_replica=row["replica_id"], op=op))
+                try:
+                    out.append((row, await asyncio.wait_for(call, timeout=timeout_s)))
+                except Exception as exc:  # noqa: BLE001 - reported per replica
+                    out.append((row, {"replica_id": row["replica_id"], "ok": False, "error": str(exc)}))
         return out
 
+    async def _model_cards(self) -> list[Any]:
+        """vLLM's model cards of every model served (each model's ``OpenAIServingModels``)."""
+        cards: list[Any] = []
+        for route in self.models.values():
+            cards += (await route.frontend.models.show_available_models()).data
+        return cards
+
     @app.get("/v1/models")
-    async def models(self) -> Response:
-        listing = await self.frontend.models.show_available_models()
-        return JSONResponse(listing.model_dump())
+    async def list_models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [card.model_dump() for card in await self._model_cards()]})
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str) -> Response:
-        listing = await self.frontend.models.show_available_models()
-        for card in listing.data:
+        for card in await self._model_cards():
             if card.id == model:
                 return JSONResponse(card.model_dump())
-        names = ", ".join(card.id for card in listing.data)
-        err = fmt.ApiError(404, f"The model `{model}` does not exist. Available models: {names}",
-                           type_="NotFoundError", param="model", code="model_not_found")
-        return JSONResponse(err.body(), status_code=404)
+        try:
+            self._route(model)
+        except fmt.ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(fmt.ApiError(404, f"The model `{model}` has no card").body(), status_code=404)
 
     @app.get("/version")
     async def version(self) -> Response:
@@ -181,7 +228,7 @@ class OpenAIIngress:
 
     @app.get("/kvstack/decisions")
     async def decisions(self, limit: int = 50) -> Response:
-        return JSONResponse(self.view.recent_decisions(limit))
+        return JSONResponse([d for r in self.models.values() for d in r.view.recent_decisions(limit)])
 
     @app.post("/kvstack/admin/reset_prefix_cache")
     async def reset_prefix_cache(self) -> Response:
@@ -196,7 +243,8 @@ class OpenAIIngress:
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
-        shards = await self.view.shard_stats()
+        first = self.first.view
+        shards = await first.shard_stats()  # the pool is the app's: every model's view lists the same shards
         keeper: Any = None
         if self.pool_keeper is not None:
             try:
@@ -206,34 +254,36 @@ class OpenAIIngress:
         return JSONResponse({
             "nodes": [{"ip": n["NodeManagerAddress"], "node_id": n["NodeID"], "alive": n["Alive"],
                        "cpus": n.get("Resources", {}).get("CPU", 0.0)} for n in nodes if n["Alive"]],
-            "replicas": self.view.replica_rows(),
+            "replicas": [{**row, "model": name} for name, r in self.models.items() for row in r.view.replica_rows()],
             "shards": shards,
-            "tiers": self.view.calibration_rows(),
-            "model_spec": self.view.hardware.model.model_dump(),  # what the cost model prices this model with
+            "tiers": first.calibration_rows(),
+            "model_spec": first.hardware.model.model_dump(),  # what the cost model prices the first model with
+            "models": [{"model": name, "policy": r.settings.policy, "model_spec": r.view.hardware.model.model_dump(),
+                        "tiers": r.view.calibration_rows()} for name, r in self.models.items()],
             "pool_keeper": keeper,
-            "decisions": await self.view.all_decisions(decisions),
+            "decisions": [d for r in self.models.values() for d in await r.view.all_decisions(decisions)],
         })
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        return await self._generate(raw, ChatCompletionRequest, self.frontend.chat.create_chat_completion)
+        return await self._generate(raw, ChatCompletionRequest, lambda r: r.frontend.chat.create_chat_completion)
 
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return await self._generate(raw, CompletionRequest, self.frontend.completion.create_completion)
+        return await self._generate(raw, CompletionRequest, lambda r: r.frontend.completion.create_completion)
 
     @app.post("/tokenize")
     async def tokenize(self, raw: Request) -> Response:
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
 
-        return await self._vllm_json(raw, TokenizeRequest, self.frontend.tokenization.create_tokenize)
+        return await self._vllm_json(raw, TokenizeRequest, lambda r: r.frontend.tokenization.create_tokenize)
 
     @app.post("/detokenize")
     async def detokenize(self, raw: Request) -> Response:
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
-        return await self._vllm_json(raw, DetokenizeRequest, self.frontend.tokenization.create_detokenize)
+        return await self._vllm_json(raw, DetokenizeRequest, lambda r: r.frontend.tokenization.create_detokenize)

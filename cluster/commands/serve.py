@@ -92,15 +92,22 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def load_config(args: argparse.Namespace, command: str) -> Any:
+    """The serve config the flags of ``add_config_arguments`` name, or None after printing why it is refused."""
     from configs.loader import ConfigError, UnknownNameError
 
     from cluster.serve_config import load_serve_config
 
     try:
-        cfg = load_serve_config(args.config, config_overrides(args))
+        return load_serve_config(args.config, config_overrides(args))
     except (ConfigError, UnknownNameError, ValueError) as exc:
-        print(f"kvstack serve: {exc}", file=sys.stderr)
+        print(f"kvstack {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args, "serve")
+    if cfg is None:
         return 2
     with log_routing(args.log_dir, verbose=args.verbose):
         return _serve(cfg, args.state_file)
@@ -191,7 +198,7 @@ class ServeStack:
     def _ensure_tiny_model(self) -> None:
         from cluster.tiny_models import ensure_configured
 
-        path = Path(self.cfg.app.engine.model_path)
+        path = Path(self.cfg.app.first.engine.model_path)
         t = self.progress.step(f"tiny model {self.cfg.tiny_model.arch}/{self.cfg.tiny_model.preset} at {path}")
         ensure_configured(self.cfg.tiny_model.arch, self.cfg.tiny_model.preset, path)
         self.progress.done("tiny model ready", t)
@@ -199,18 +206,19 @@ class ServeStack:
     def _ensure_model(self) -> None:
         """A Hugging Face id is downloaded once here (into the hub's cache, shared by this machine's replicas and
         the ingress); a local directory is used as is."""
-        model = self.cfg.app.engine.model
-        if Path(model).is_dir():
-            return
-        from huggingface_hub import snapshot_download
+        for entry in self.cfg.app.entries():
+            model = entry.engine.model
+            if Path(model).is_dir():
+                continue
+            from huggingface_hub import snapshot_download
 
-        t = self.progress.step(f"model {model}: fetching it from the Hugging Face hub (or its cache)")
-        try:
-            path = snapshot_download(model)
-        except Exception as exc:  # noqa: BLE001 - offline, unknown id, no access: one clear message
-            raise RuntimeError(f"model {model!r} is not a local directory and the Hugging Face hub cannot provide "
-                               f"it: {type(exc).__name__}: {exc}") from None
-        self.progress.done(f"model ready at {path}", t)
+            t = self.progress.step(f"model {model}: fetching it from the Hugging Face hub (or its cache)")
+            try:
+                path = snapshot_download(model)
+            except Exception as exc:  # noqa: BLE001 - offline, unknown id, no access: one clear message
+                raise RuntimeError(f"model {model!r} is not a local directory and the Hugging Face hub cannot "
+                                   f"provide it: {type(exc).__name__}: {exc}") from None
+            self.progress.done(f"model ready at {path}", t)
 
     def _start_shards(self) -> None:
         from deployments.pool_setup import start_pool
@@ -225,8 +233,9 @@ class ServeStack:
         from deployments.app import build_app
 
         cfg = self.cfg
-        n = cfg.app.replicas.num_replicas or "autoscaled"
-        t = self.progress.step(f"deploying the app: {n} vLLM replicas + router (policy {cfg.app.router.policy})")
+        n = ", ".join(f"{m.replicas.num_replicas or 'autoscaled'} of {m.engine.served_model_name}"
+                      for m in cfg.app.entries())
+        t = self.progress.step(f"deploying the app: vLLM replicas ({n}) + router (policy {cfg.app.router.policy})")
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         self.serve_started = True
         self.on_ray_started()
@@ -242,18 +251,23 @@ class ServeStack:
         import msgspec
         import ray
 
-        from router.hub import DEFAULT_HUB_NAME, PollReply
+        from router.hub import PollReply
 
-        want = self.cfg.app.replicas.num_replicas or self.cfg.app.replicas.autoscaling_config.min_replicas
+        from deployments.app import hub_name
+
+        entries = self.cfg.app.entries()
+        want = sum(m.replicas.num_replicas or m.replicas.autoscaling_config.min_replicas for m in entries)
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         end = time.monotonic() + deadline_s
         reports: list[Any] = []
         while time.monotonic() < end:
+            reports = []
             try:
-                hub = ray.get_actor(DEFAULT_HUB_NAME, namespace="kvstack")
-                reply = msgspec.msgpack.decode(ray.get(hub.poll.remote(0), timeout=5.0), type=PollReply)
-                latest = {r.replica_id: r for r in reply.reports}  # the log holds several reports per replica
-                reports = [r for r in latest.values() if r.placement is not None and not r.gone]
+                for i in range(len(entries)):  # one hub per model
+                    hub = ray.get_actor(hub_name(i), namespace="kvstack")
+                    reply = msgspec.msgpack.decode(ray.get(hub.poll.remote(0), timeout=5.0), type=PollReply)
+                    latest = {r.replica_id: r for r in reply.reports}  # the log holds several reports per replica
+                    reports += [r for r in latest.values() if r.placement is not None and not r.gone]
             except Exception:  # noqa: BLE001 - not up yet: ask again until the deadline
                 reports = []
             if len(reports) >= want:
@@ -272,12 +286,14 @@ class ServeStack:
     def announce(self) -> None:
         host = "127.0.0.1" if self.cfg.http.host in ("0.0.0.0", "::") else self.cfg.http.host
         base = f"http://{host}:{self.cfg.http.port}/v1"
-        model = self.cfg.app.engine.served_model_name
+        model = self.cfg.app.first.engine.served_model_name
+        others = [m.engine.served_model_name for m in self.cfg.app.entries()[1:]]
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps({"endpoint": base, "model": model,
                                                "ray_address": getattr(self.cluster, "address", None)}))
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
-        say(f"kvstack is serving {model} at {base}   try: curl -s {base}/chat/completions "
+        also = f" (and {', '.join(others)})" if others else ""
+        say(f"kvstack is serving {model}{also} at {base}   try: curl -s {base}/chat/completions "
             f"-H 'Content-Type: application/json' -d '{body}'")
 
     def stop(self) -> None:

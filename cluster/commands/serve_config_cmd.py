@@ -26,19 +26,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from cluster.commands.serve import config_overrides
-    from cluster.serve_config import load_serve_config, serve_config_document
-    from configs.loader import ConfigError, UnknownNameError
+    from cluster.commands.serve import load_config
+    from cluster.serve_config import serve_config_document
 
-    try:
-        cfg = load_serve_config(args.config, config_overrides(args))
-    except (ConfigError, UnknownNameError, ValueError) as exc:
-        print(f"kvstack serve-config: {exc}", file=sys.stderr)
+    cfg = load_config(args, "serve-config")
+    if cfg is None:
         return 2
     if cfg.tiny_model is not None:
         from cluster.tiny_models import ensure_configured
 
-        ensure_configured(cfg.tiny_model.arch, cfg.tiny_model.preset, cfg.app.engine.model)
+        ensure_configured(cfg.tiny_model.arch, cfg.tiny_model.preset, cfg.app.first.engine.model)
     text = "# Ray Serve config written by `kvstack serve-config`: serve run THIS_FILE (an existing Ray cluster)\n"
     text += yaml.safe_dump(serve_config_document(cfg), sort_keys=False)
     if args.out == "-":

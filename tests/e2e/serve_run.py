@@ -1,9 +1,10 @@
 """``kvstack serve`` as a subprocess for e2e modules: started as a user starts it, torn down with SIGKILL.
 
-``running_serve(tmp, sets, model=None)`` is a generator (a module fixture's body): it starts ``python -m cluster.cli
-serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets`` (an SSD directory under ``tmp`` and the tiny dense
-model — or ``--model MODEL`` — are set first), waits until it prints that it is serving (at most ``ready_s``; a start that exits or times out fails the
-test with the tails of its logs), yields ``{"proc", "base", "state", "log"}`` and kills its process group after.
+``running_serve(tmp, sets, model=None, config=None)`` is a generator (a module fixture's body): it starts ``python -m
+cluster.cli serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets`` (an SSD directory under ``tmp`` and
+the tiny dense model — or ``--model MODEL``, or ``--config FILE`` as written — are set first), waits until it prints
+that it is serving (at most ``ready_s``; a start that exits or times out fails the test with the tails of its logs),
+yields ``{"proc", "base", "state", "log"}`` and kills its process group after.
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ from cluster.local_cluster import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0,
-                  model: Path | None = None) -> Iterator[dict[str, Any]]:
+def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Path | None = None,
+                  config: Path | None = None) -> Iterator[dict[str, Any]]:
     port = free_port()
     state = tmp / "serve.json"
     log_path = tmp / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
            "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
            "--log-dir", str(tmp / "logs")]  # Ray's and vLLM's logs; serve.log holds kvstack's own lines
-    # ``model``: `kvstack serve --model DIR` (a model of the user's); else the embedded config's tiny model
-    cmd += ["--model", str(model)] if model is not None else [
-        "--set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}"]
+    # ``model``: `kvstack serve --model DIR` (a model of the user's); ``config``: `--config FILE` as written; else
+    # the embedded config's tiny model
+    if config is not None:
+        cmd += ["--config", str(config)]
+    else:
+        cmd += ["--model", str(model)] if model is not None else [
+            "--set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}"]
     for item in sets:
         cmd += ["--set", item]
     log = open(log_path, "w")

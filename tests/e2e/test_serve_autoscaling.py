@@ -1,6 +1,7 @@
 """E2E: Serve autoscaling of the replicas on a local ``kvstack serve``: one replica to start, load (concurrent long
 streams, more ongoing requests than ``target_ongoing_requests``) raises the count to two within a bounded time, and
-the new replica serves — its engine started, bound to cores of its own, with the pool (the router routes to it).
+the new replica serves — its engine started, bound to cores of its own, with the pool (under concurrent load the
+router routes to it; one request at a time may all go to the replica it prices faster).
 ``app.replicas.autoscaling_config`` passes Ray Serve's own keys (``look_back_period_s``, ``metrics_interval_s``)."""
 
 from __future__ import annotations
@@ -53,10 +54,16 @@ def test_load_raises_the_replicas_and_the_new_one_serves(server) -> None:
     new = set(replica_ids(server)) - set(first)
     assert len(new) == 1
     ran_on: set[str] = set()
-    while not new & ran_on:  # the router sends work to the new replica (least loaded / round robin on ties)
-        assert time.monotonic() < deadline + 120, f"no request ran on {new}: ran on {ran_on}"
+
+    def ask(i: int) -> str:
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Hello {len(ran_on)} {time.monotonic()}"}],
-            max_tokens=4, temperature=0)
-        assert raw.parse().usage.completion_tokens == 4
-        ran_on.add(raw.headers["x-kvstack-replica"])
+            model=MODEL, messages=[{"role": "user", "content": f"Hello {i} {time.monotonic()}"}],
+            max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert raw.parse().usage.completion_tokens == 32
+        return raw.headers["x-kvstack-replica"]
+
+    # under load (4 at once: queues to weigh), the router sends work to the new replica too
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        while not new & ran_on:
+            assert time.monotonic() < deadline + 180, f"no request ran on {new}: ran on {ran_on}"
+            ran_on.update(pool.map(ask, range(4)))

@@ -222,3 +222,61 @@ def test_every_settings_class_is_strict() -> None:
         m for m in models if not issubclass(m, Strict)]
     names = [m.__name__ for m in models]
     assert len(names) == len(set(names)), names
+
+
+def _two_models(**extra: Any) -> dict[str, Any]:
+    args = _args()
+    del args["engine"]
+    args["models"] = [
+        {"engine": {"model": "/models/a", "kv_bytes_per_token": 2048}, "replicas": {"num_replicas": 2}},
+        {"engine": {"model": "/models/b", "served_model_name": "bee", "kv_bytes_per_token": 4608},
+         "replicas": {"autoscaling_config": {"max_replicas": 3}}, "policy": "prefix_affinity"},
+    ]
+    args.pop("replicas", None)
+    return {**args, **extra}
+
+
+def test_several_models_each_get_replicas_a_hub_and_a_route() -> None:
+    from deployments.app import INGRESS_DEPLOYMENT, POOL_KEEPER_DEPLOYMENT, build_app, hub_name
+    from deployments.pool_setup import shard_config
+    from kvpool.shard.placement import PoolNode
+
+    cfg = AppConfig.model_validate(_two_models())
+    assert [m.engine.served_model_name for m in cfg.entries()] == ["a", "bee"]
+    app = build_app(cfg)
+    assert app._bound_deployment.name == INGRESS_DEPLOYMENT
+    routes, keeper = app._bound_deployment.init_args
+    assert keeper._bound_deployment.name == POOL_KEEPER_DEPLOYMENT
+    (rep_a, set_a), (rep_b, set_b) = routes
+    assert (rep_a._bound_deployment.name, rep_b._bound_deployment.name) == ("VLLMReplica-0-a", "VLLMReplica-1-bee")
+    assert rep_a._bound_deployment.num_replicas == 2
+    assert rep_b._bound_deployment._deployment_config.autoscaling_config.max_replicas == 3
+    assert (set_a.served_model_name, set_b.served_model_name) == ("a", "bee")
+    assert (set_a.policy, set_b.policy) == ("cost_based", "prefix_affinity")  # the router's, and its own
+    assert (set_a.hub_name, set_b.hub_name) == (hub_name(0), hub_name(1)) and hub_name(0) != hub_name(1)
+    for rep in (rep_a, rep_b):  # each model's replicas report to their own hub; every model sizes the shard
+        kwargs = rep._bound_deployment.init_kwargs
+        assert kwargs["hub_name"] in (hub_name(0), hub_name(1))
+        assert [e.served_model_name for e in kwargs["pool_engines"]] == ["a", "bee"]
+    slot = shard_config([m.engine for m in cfg.entries()], cfg.pool, PoolNode("n" * 40, "127.0.0.1")).store.slot_bytes
+    assert slot == 4608 * 128  # the larger block of the two
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda a: a.update(engine={"model": "/m"}), "app.models lists every model"),
+    (lambda a: a["models"][1]["engine"].update(served_model_name="a"), "two models are served under one name"),
+    (lambda a: a.update(models=[]), "at least 1"),
+])
+def test_a_model_list_is_checked(edit: Any, message: str) -> None:
+    args = _two_models()
+    edit(args)
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(args)
+
+
+def test_a_single_model_config_is_one_entry() -> None:
+    cfg = AppConfig.model_validate(_args())
+    (entry,) = cfg.entries()
+    assert entry.engine == cfg.engine and entry.replicas == cfg.replicas and cfg.models is None
+    with pytest.raises(ValidationError, match="set app.engine and app.replicas"):
+        AppConfig.model_validate({k: v for k, v in _args().items() if k != "engine"})

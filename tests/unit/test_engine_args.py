@@ -104,7 +104,7 @@ def test_a_tensor_parallel_replica_gets_one_bundle_per_gpu_and_vllms_ray_executo
                      "placement_group_strategy": "STRICT_PACK"}
     assert cfg.serve_ray_actor_options() == {"num_cpus": 8, "num_gpus": 0.0}  # the engine's workers hold the GPUs
     app = build_app(cfg)
-    replicas = next(d for d in app._bound_deployment.init_args if getattr(d, "_bound_deployment", None) is not None)
+    ((replicas, _settings),), _keeper = app._bound_deployment.init_args
     deployment = replicas._bound_deployment
     assert deployment.name == REPLICA_DEPLOYMENT
     assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"

@@ -155,7 +155,7 @@ def test_build_app_from_the_local_app_section() -> None:
     assert ray.is_initialized() == ray_was_up, "build_app must not start or stop Ray"
     ingress = app._bound_deployment
     assert ingress.name == INGRESS_DEPLOYMENT
-    replicas, settings, keeper = ingress.init_args
+    ((replicas, settings),), keeper = ingress.init_args
     assert isinstance(replicas, serve.Application)
     assert keeper._bound_deployment.name == POOL_KEEPER_DEPLOYMENT  # the pool comes with the app
     assert replicas._bound_deployment.name == REPLICA_DEPLOYMENT

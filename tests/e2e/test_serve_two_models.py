@@ -1,0 +1,87 @@
+"""E2E: two models in one app (``app.models``), each with its own replicas, hub and block-key namespace, behind one
+endpoint that routes by the request's ``model``: both answer under their own names, an unknown name is the OpenAI
+404, and neither hits the other's cache — the same prompt (the same token ids: the two tiny models share a tokenizer)
+gives the second model no cached tokens and no HOLDER or FETCH, though the first model's blocks are in HBM and in the
+pool. Driven with the ``openai`` SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.serve_run import running_serve
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from cluster.tiny_models import make_tiny, preset_spec
+
+    tmp = tmp_path_factory.mktemp("two-models")
+    return (make_tiny(preset_spec("qwen3"), tmp / "alpha"),  # same tokenizer (vocab, seed), other shapes and weights
+            make_tiny(preset_spec("qwen3", layers=6, heads=6, kv_heads=3, hidden=384), tmp / "beta"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]):
+    tmp = tmp_path_factory.mktemp("serve-two-models")
+    cfg = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    cfg["tiny_model"] = None
+    engine = cfg["app"].pop("engine")
+    replicas = {**cfg["app"].pop("replicas"), "num_replicas": 1}
+    cfg["app"]["router"]["model_spec"] = None  # each model priced with the spec of its own files
+    cfg["app"]["models"] = [{"engine": {**engine, "model": str(m), "served_model_name": m.name},
+                             "replicas": replicas} for m in models]
+    path = tmp / "two-models.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    yield from running_serve(tmp, [], config=path)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
+
+
+def test_each_model_answers_under_its_own_name(client, server) -> None:
+    import openai
+
+    assert sorted(m.id for m in client.models.list().data) == ["alpha", "beta"]
+    for name in ("alpha", "beta"):
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=6, temperature=0)
+        assert reply.model == name and reply.usage.completion_tokens == 6
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
+    missing = httpx.get(server["base"] + "/models/gamma", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+    assert sorted(r["model"] for r in status["replicas"]) == ["alpha", "beta"]
+    specs = {m["model"]: m["model_spec"] for m in status["models"]}
+    assert (specs["alpha"]["layers"], specs["beta"]["layers"], specs["beta"]["n_kv"]) == (4, 6, 3)
+
+
+def test_neither_model_hits_the_others_cache(client) -> None:
+    system = "You answer briefly. " + " ".join(f"fact {i}: the value {i * 11} is kept." for i in range(100))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which fact is first?"}]
+
+    def ask(model: str) -> tuple[int, str]:
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=4,
+                                                               temperature=0)
+        reply = raw.parse()
+        return (reply.usage.prompt_tokens_details.cached_tokens or 0), raw.headers["x-kvstack-action"]
+
+    ask("alpha")
+    cached, _ = ask("alpha")
+    assert cached >= 128  # alpha's own prefix: in its replica's HBM (and saved to the pool)
+    cached, action = ask("beta")
+    assert cached == 0 and action not in ("holder", "fetch", "split"), (cached, action)
+    cached, _ = ask("beta")
+    assert cached >= 128  # beta reuses its own
