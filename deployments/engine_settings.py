@@ -66,8 +66,10 @@ class EngineSettings(BaseModel):
     )
     kv_events: bool = Field(default=True, description="publish vLLM KV events; the replica reports exact HBM keys")
     cache_salt: str = ""
-    startup_probe: bool = Field(default=True, description="time a few cold prefills when the engine starts, so the "
-                                                          "routers price this engine with what it measured")
+    startup_probe: bool = Field(
+        default=False, description="time a few cold prefills when the engine starts, so the routers price this "
+                                   "engine with what it measured (off by default: replicas priced a few percent apart "
+                                   "by their probes drew all of a burst of fresh prompts onto one, see the note)")
 
     @model_validator(mode="before")
     @classmethod

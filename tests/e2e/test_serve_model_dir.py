@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     # max_logprobs: an engine argument kvstack does not declare, passed as a user passes any of vLLM's
-    yield from running_serve(tmp_path_factory.mktemp("serve-model-dir"), ["app.engine.max_logprobs=2"],
+    yield from running_serve(tmp_path_factory.mktemp("serve-model-dir"),
+                             ["app.engine.max_logprobs=2", "app.engine.startup_probe=true"],
                              model=model_dir)
 
 

@@ -60,7 +60,9 @@ def served(cluster, tmp_path_factory: pytest.TempPathFactory):
                 pytest.fail(f"serve run not serving within {READY_S:.0f} s:\n"
                             f"{(tmp / 'serve-run.log').read_text()[-6000:]}")
             time.sleep(2)
-        yield {"base": base, "proc": proc}
+        served = {"base": base, "proc": proc}
+        wait_for(served, lambda st: len(st["replicas"]) == 2, "both replicas reporting to the router", 300.0)
+        yield served
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # serve run deletes the app on Ctrl-C
