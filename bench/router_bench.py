@@ -4,7 +4,8 @@ For every (replicas, indexed blocks, prompt tokens) cell: a ``PrefixIndex`` hold
 filler spread over every replica's HBM and every shard's DRAM / SSD, plus the prompts' own prefixes: one replica
 holds half of each prompt in HBM, a shard on another node three quarters in DRAM, a third node all of it on SSD),
 then ``iters`` decisions, each timed in two parts:
-    lookup = ``PrefixIndex.snapshot`` (longest-prefix walk + the ClusterSnapshot for the policy)
+    lookup = ``ReplicaBook.states`` (the replica list the live router keeps) + ``PrefixIndex.snapshot``
+             (longest-prefix walk + the ClusterSnapshot for the policy)
     rank   = ``PolicyRunner.decide`` (cost_based over every replica, tie-break, the DecisionRecord)
     decision = lookup + rank
 each both in wall-clock time (``decision_p50_us`` ...: what a caller waits, including time the OS gave the core
@@ -14,8 +15,12 @@ the index has learned their chains and a lookup reads them at O(log length) posi
 chains"); ``lookup_cold_*`` times the first lookup of a prompt instead (the index forgets what it learned before
 each of those samples: a full walk plus learning, what a prefix nobody asked for before costs once)
 and, per prompt size, ``hash_us``: ``kvpool.keys.block_keys`` over the prompt's token ids (reported apart: the
-ingress hashes once per request). Each decision is acknowledged at once (steady state: no in-flight
-assignments piling up in the runner). The GC is frozen after the index is built, as a long-running router would
+ingress hashes once per request). By default each decision is acknowledged at once and no load report
+arrives between decisions; ``--inflight N`` keeps this router's last N assignments unacknowledged (a live router's
+requests between decision and first token, which the runner adds to the snapshot), ``--reports-per-decision K``
+applies K replica load reports between decisions (rebuilt states are paid in the next decision), and
+``--hw-variants V`` gives the replicas V distinct fitted MFUs (calibrated replicas; the policy prices each
+hardware object once per request). The GC is frozen after the index is built, as a long-running router would
 after warm-up, so a full collection does not walk a million keys inside a decision.
 
 Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` on this machine, ~7 µs on a
@@ -36,7 +41,7 @@ import statistics
 import sys
 import time
 import timeit
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3-14b")
     parser.add_argument("--gpu", default="h100-sxm5-80gb")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hw-variants", type=int, default=1,
+                        help="distinct fitted MFUs among the replicas (1: one hardware object, as before calibration)")
+    parser.add_argument("--inflight", type=int, default=0,
+                        help="this router's unacknowledged assignments during a decision (live: one per request "
+                             "between its decision and its first token)")
+    parser.add_argument("--reports-per-decision", type=int, default=0,
+                        help="replica load reports applied between two decisions")
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -75,35 +87,56 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 class _Cluster:
     """A simulated cluster's prefix view: replicas (4 per node by default) and one pool shard per node, fed
-    through the index's real inputs (replica reports, shard event batches)."""
+    through the router's real inputs: replica reports (the index and the ``ReplicaBook`` the live router keeps its
+    replica list in), shard event batches, and the calibrator's MFU fits (``hw_variants`` distinct fitted MFUs:
+    each one a hardware object the policy prices once per request, as a live router with calibrated replicas does)."""
 
-    def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random) -> None:
+    def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random, hw_variants: int = 1) -> None:
+        from router import cost
+        from router.calibration import MFU_GRID_STEP, Calibrator
         from router.index import PrefixIndex
-        from router.policies.base import ReplicaState
+        from router.replica_book import ReplicaBook
 
         self.n_nodes = max(2, -(-n_rep // per_node))
-        self.replicas = [
-            ReplicaState(f"r{i}", f"node-{i // per_node}", rng.randint(0, 8), rng.randint(0, 4),
-                         rng.uniform(0.0, 0.2), 0, hw)
-            for i in range(n_rep)
-        ]
-        self.shards = [(f"s{j}", f"node-{j}") for j in range(self.n_nodes)]
+        self.per_node = per_node
         self.now = 0.0
+        calibrator = Calibrator(bw_util=hw.bw_util)
+        self.book = ReplicaBook(ttl_s=1e9, calibrator=calibrator, hardware=lambda: hw)
+        self.ids = [f"r{i}" for i in range(n_rep)]
+        for i, rid in enumerate(self.ids):
+            variant = i % hw_variants
+            if variant:  # a fitted MFU 3 grid steps per variant away from the configured one
+                mfu = hw.mfu * (1 + MFU_GRID_STEP) ** (-3 * variant)
+                for tokens in (1000, 4000, 16000, 32000, 64000):
+                    calibrator.observe_prefill(rid, hw, tokens, 0, cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu))
+            self.book.report(rid, f"node-{i // per_node}", rng.randint(0, 8), rng.randint(0, 4), self.now, None)
+            self.book.observe_ttft(rid, rng.uniform(0.0, 0.05))
+        self.shards = [(f"s{j}", f"node-{j}") for j in range(self.n_nodes)]
         self.index = PrefixIndex(ttl_s=1e9, clock=self.clock)
         self._seqs: dict[str, int] = {}
         self._rng = rng
 
+    @property
+    def replicas(self) -> Any:
+        return self.book.states(self.now)
+
     def clock(self) -> float:
         return self.now
+
+    def load_report(self) -> None:
+        """One replica's load report (its running / waiting moved), as the hub delivers them between decisions."""
+        i = self._rng.randrange(len(self.ids))
+        self.book.report(self.ids[i], f"node-{i // self.per_node}", self._rng.randint(0, 8), self._rng.randint(0, 4),
+                         self.now, None)
 
     def hbm_store(self, i: int, keys: list[bytes]) -> None:
         from router.hub import ReplicaReport
 
-        r = self.replicas[i]
-        seq = self._seqs.get(r.replica_id, 0) + 1
+        rid, node = self.ids[i], f"node-{i // self.per_node}"
+        seq = self._seqs.get(rid, 0) + 1
         self.index.apply_replica_report(
-            ReplicaReport(replica_id=r.replica_id, node_id=r.node_id, seq=seq, running=0, waiting=0, stored=keys))
-        self._seqs[r.replica_id] = seq
+            ReplicaReport(replica_id=rid, node_id=node, seq=seq, running=0, waiting=0, stored=keys))
+        self._seqs[rid] = seq
 
     def pool_store(self, j: int, keys: list[bytes], dram: bool) -> None:
         from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, Tier
@@ -117,8 +150,8 @@ class _Cluster:
 
     def place_prompt(self, v: int, keys: list[bytes]) -> None:
         """Half of the prompt in one replica's HBM, 3/4 in the next node's DRAM, all of it on the SSD after."""
-        i = (v * 7 + len(keys)) % len(self.replicas)
-        node = int(self.replicas[i].node_id.split("-")[1])
+        i = (v * 7 + len(keys)) % len(self.ids)
+        node = i // self.per_node
         self.hbm_store(i, keys[: len(keys) // 2])
         self.pool_store(node + 1, keys[: 3 * len(keys) // 4], dram=True)
         self.pool_store(node + 2, keys, dram=False)
@@ -128,7 +161,7 @@ class _Cluster:
         missing = target - len(self.index)
         if missing <= 0:
             return
-        n_rep = len(self.replicas)
+        n_rep = len(self.ids)
         by_holder: dict[int, list[bytes]] = {}
         for _ in range(missing):
             by_holder.setdefault(self._rng.randrange(n_rep + 2 * self.n_nodes), []).append(self._rng.randbytes(16))
@@ -160,22 +193,35 @@ def _measure_cold(cluster: _Cluster, requests: list[Any], samples: int) -> dict[
     }
 
 
-def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int) -> dict[str, Any]:
+def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int, *, inflight: int = 0,
+             reports: int = 0) -> dict[str, Any]:
+    """``iters`` timed decisions (after a warm-up). ``inflight``: assignments left unacknowledged (a live router
+    has one per request between its decision and its first token: the runner adds them to the snapshot);
+    ``reports``: replica load reports applied between two decisions (untimed, as the hub poll applies them; the
+    ``ReplicaBook`` rebuilds those replicas' states on the next decision, which is timed)."""
+    from router.policies.base import RouteRequest
+
     thread_ns, wall_ns = time.thread_time_ns, time.perf_counter_ns
-    index, replicas = cluster.index, cluster.replicas
+    index, book = cluster.index, cluster.book
     wall: dict[str, list[float]] = {"lookup": [], "rank": [], "total": []}
     cpu: dict[str, list[float]] = {"lookup": [], "rank": [], "total": []}
     actions: Counter[str] = Counter()
     matched = 0
     warmup = 20
+    pending: deque[str] = deque()
     for i in range(iters + warmup):
-        req = requests[i % len(requests)]
+        base = requests[i % len(requests)]
+        req = RouteRequest(f"{base.request_id}-{i}", base.prompt_tokens, base.block_size, base.block_keys)
+        for _ in range(reports):
+            cluster.load_report()
         c0, t0 = thread_ns(), wall_ns()
-        snap = index.snapshot(req, replicas)
+        snap = index.snapshot(req, book.states(cluster.now))
         t1, c1 = wall_ns(), thread_ns()
         rec = runner.decide(req, snap)
         t2, c2 = wall_ns(), thread_ns()
-        runner.acknowledge(req.request_id)
+        pending.append(req.request_id)
+        while len(pending) > inflight:
+            runner.acknowledge(pending.popleft())
         if i < warmup:
             continue
         for d, a, b, c in ((wall, t0, t1, t2), (cpu, c0, c1, c2)):
@@ -198,6 +244,8 @@ def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int) ->
         "rank_cpu_p99_us": round(_pct(cpu["rank"], 0.99), 1),
         "matched_blocks": matched,
         "actions": dict(actions),
+        "inflight": inflight,
+        "reports_per_decision": reports,
     }
 
 
@@ -221,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--block-size, --iters and --replicas-per-node must be positive")
     if args.cold < 0:
         raise SystemExit("--cold must be >= 0")
+    if args.hw_variants < 1 or args.inflight < 0 or args.reports_per_decision < 0:
+        raise SystemExit("--hw-variants must be >= 1, --inflight and --reports-per-decision >= 0")
     hw = Hardware(
         model=pick("model", load_models(), args.model), gpu=pick("gpu", load_gpus(), args.gpu), mfu=0.5, bw_util=0.8
     )
@@ -251,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5, timer=time.thread_time)) / 2000 * 1e6
     rows: list[dict[str, Any]] = []
     for n_rep in replica_counts:
-        cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng)
+        cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng, hw_variants=args.hw_variants)
         for variants in prompts.values():
             for v, keys in enumerate(variants):
                 cluster.place_prompt(v, keys)
@@ -267,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
                        "block_size": bs}
                 if args.cold > 0:
                     row.update(_measure_cold(cluster, requests, args.cold))
-                row.update(_measure(cluster, runner, requests, args.iters))
+                row.update(_measure(cluster, runner, requests, args.iters, inflight=args.inflight,
+                                    reports=args.reports_per_decision))
+                row["hw_variants"] = args.hw_variants
                 row.update(hash_us=round(hash_us[size][0], 1), hash_cpu_us=round(hash_us[size][1], 1),
                            cpu_ref_us=round(cpu_ref_us, 1))
                 rows.append(row)

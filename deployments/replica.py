@@ -239,6 +239,9 @@ class VLLMReplica:
         self.profile = await probe_engine(self.engine, self.settings.max_model_len, self.settings.startup_probe)
         self.running = 0
         self.waiting = 0
+        # Prefill work of the waiting requests (before their first token): Σ (P − c), Σ (P² − c²) (ReplicaReport)
+        self.waiting_tokens = 0
+        self.waiting_tokens_sq = 0
         self._seq = 0
         self._hub = None
         self._hub_address = (hub_name, hub_namespace)
@@ -314,6 +317,10 @@ class VLLMReplica:
         self.waiting += 1
         first = True
         prompt_tokens = len(request.prompt_token_ids)
+        reused = min(max(request.planned_reuse_tokens, 0), prompt_tokens)
+        work = (prompt_tokens - reused, prompt_tokens * prompt_tokens - reused * reused)
+        self.waiting_tokens += work[0]
+        self.waiting_tokens_sq += work[1]
         try:
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
@@ -327,6 +334,8 @@ class VLLMReplica:
                 prompt_logprobs = None
                 if first:
                     self.waiting -= 1
+                    self.waiting_tokens -= work[0]
+                    self.waiting_tokens_sq -= work[1]
                     self.running += 1
                     first = False
                     self._touch_pool_prefix(request, cached)
@@ -359,6 +368,8 @@ class VLLMReplica:
         finally:
             if first:
                 self.waiting -= 1
+                self.waiting_tokens -= work[0]
+                self.waiting_tokens_sq -= work[1]
             else:
                 self.running -= 1
             self._served += 1
@@ -478,7 +489,8 @@ class VLLMReplica:
             self._seq += 1
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
-                waiting=self.waiting, key_root=bytes(self.key_root), stored=snapshot if first else stored,
+                waiting=self.waiting, waiting_tokens=self.waiting_tokens, waiting_tokens_sq=self.waiting_tokens_sq,
+                key_root=bytes(self.key_root), stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
                 placement=self.cpu_claim.placement, profile=self.profile,
             )

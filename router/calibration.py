@@ -121,6 +121,23 @@ class OnlineLine:
         return (0.0, b) if b > 0 else None
 
 
+#: Fitted MFUs are snapped to a geometric grid of this relative step before anything prices with them: replicas
+#: whose fits agree within it share one ``Hardware`` object (``Calibrator.hardware``), and ``cost_based`` prices each
+#: hardware object once per request (issue 13, decision latency). 2% is far inside the model's own uncertainty (25%).
+MFU_GRID_STEP = 0.02
+_LOG_STEP = math.log1p(MFU_GRID_STEP)
+
+
+def snap_ratio(x: float) -> float:
+    """``x`` (> 0) on the grid: the nearest (1 + MFU_GRID_STEP)^k."""
+    return math.exp(round(math.log(x) / _LOG_STEP) * _LOG_STEP)
+
+
+def snap_mfu(mfu: float) -> float:
+    """``mfu`` on the grid, at most 1."""
+    return min(1.0, snap_ratio(mfu))
+
+
 class MfuEstimator:
     """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus)."""
 
@@ -154,10 +171,26 @@ class MfuEstimator:
         return 0.0 if fit is None else fit[0]
 
     def hardware(self) -> Hardware:
-        """The base hardware with the fitted MFU (the same object while the MFU has not moved by 0.1%)."""
-        mfu = self.mfu
-        if abs(mfu - self._hw.mfu) > 1e-3 * self._hw.mfu:
-            self._hw = dataclasses.replace(self.base, mfu=mfu)
+        """The base hardware with the fitted MFU snapped to the grid (``snap_mfu``; the base itself until fitted),
+        the same object while the snapped values do not move. A replica measured faster than its profile's peak
+        (the profile is a placeholder, e.g. ``cpu-2core``, or wrong) gets the profile's peak raised to what it
+        sustains, at MFU 1: capping the MFU at 1 would keep every prediction for it too slow."""
+        fit = self.line.fit() if self.line.ready else None
+        if fit is None:
+            return self.base
+        gpu = self.base.gpu
+        ratio = max(self.min_mfu, 1.0 / (fit[1] * gpu.bf16_tflops * TERA * self.base.gpus))
+        if ratio <= 1.0:
+            mfu, tflops = snap_mfu(ratio), gpu.bf16_tflops
+        else:
+            mfu, tflops = 1.0, gpu.bf16_tflops * snap_ratio(ratio)
+        cur = self._hw
+        if mfu != cur.mfu or tflops != cur.gpu.bf16_tflops:
+            if tflops != gpu.bf16_tflops:
+                gpu = gpu.model_copy(update={
+                    "bf16_tflops": tflops,
+                    "description": f"{gpu.description} (peak raised to the {tflops:.3g} TFLOPS measured)".strip()})
+            self._hw = dataclasses.replace(self.base, gpu=gpu, mfu=mfu)
         return self._hw
 
 
@@ -209,14 +242,28 @@ class TierEstimator:
         return self._tier
 
 
+#: Weight of a new sample in the request path's fixed-seconds EWMA (``Calibrator.observe_path``).
+PATH_EWMA = 0.2
+
+
 class Calibrator:
-    """Per-replica MFU and per-tier-class bandwidth/latency fits for one router."""
+    """Per-replica MFU and per-tier-class bandwidth/latency fits for one router.
+
+    What the live router feeds it (``router.live_view``): per request, the engine's own prefill seconds (vLLM's
+    scheduled → first token: no queueing, no pool load wait in it) against the prefill's FLOPs — the MFU line, whose
+    intercept is the engine's fixed cost of a prefill — and the path's fixed seconds (``observe_path``); per pool
+    fetch, bytes and seconds per tier class. Fitting the MFU to whole TTFTs instead put every queue, load wait and
+    cold start of the first requests into the intercept (issue 13: 0.1 s of "overhead" on requests whose path took
+    0.025 s, all predictions of a tiny model off by ~100%)."""
 
     def __init__(self, *, bw_util: float, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0) -> None:
         self.bw_util = bw_util
         self._opts = {"halflife": halflife, "min_obs": min_obs, "outlier_k": outlier_k}
         self._mfu: dict[str, MfuEstimator] = {}
         self._tiers: dict[str, TierEstimator] = {}
+        # (id(base), mfu, peak TFLOPS) -> (base, hardware): one object per grid point
+        self._shared: dict[tuple[int, float, float], tuple[Hardware, Hardware]] = {}
+        self._path: dict[str, float] = {}  # replica id -> EWMA of the request path's fixed seconds
 
     def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float) -> bool:
         est = self._mfu.get(replica_id)
@@ -235,17 +282,56 @@ class Calibrator:
             )
         return est.observe(nbytes, seconds)
 
+    def fitted(self, replica_id: str) -> bool:
+        """Whether the replica has its own fit (else it is priced with its fleet's, see ``hardware``)."""
+        est = self._mfu.get(replica_id)
+        return est is not None and est.line.ready
+
+    def _fleet(self, hw: Hardware) -> list[MfuEstimator]:
+        return [e for e in self._mfu.values() if e.line.ready and e.base is hw]
+
     def hardware(self, replica_id: str, hw: Hardware) -> Hardware:
-        """``hw`` with the replica's fitted MFU (``hw`` itself until the replica has enough prefills)."""
+        """``hw`` with the replica's fitted MFU on the grid. Until the replica has its own fit it is priced like its
+        fleet (the median fitted replica of the same base hardware; ``hw`` itself when none is fitted): pricing it
+        with the configured prior instead made a replica that had not served yet look slower than a fitted one, so
+        it was never chosen and never fitted (issue 13: 42 of 42 requests on one replica). Replicas of one base
+        hardware whose MFUs snap to the same grid point get the same object."""
         est = self._mfu.get(replica_id)
         if est is None or not est.line.ready:
-            return hw
-        return est.hardware()
+            fleet = self._fleet(hw)
+            if not fleet:
+                return hw
+            est = sorted(fleet, key=lambda e: e.hardware().gpu.bf16_tflops * e.hardware().mfu)[len(fleet) // 2]
+        own = est.hardware()
+        key = (id(est.base), own.mfu, own.gpu.bf16_tflops)
+        shared = self._shared.get(key)
+        if shared is None or shared[0] is not est.base:
+            if len(self._shared) >= 4096:
+                self._shared.clear()
+            shared = self._shared[key] = (est.base, own)
+        return shared[1]
+
+    def observe_path(self, replica_id: str, seconds: float) -> None:
+        """One request's fixed path seconds outside the engine's queue and prefill: the ingress, both hops, the
+        replica's preparation and the first chunk's way back (TTFT less the engine's queued → first token)."""
+        if seconds < 0 or seconds != seconds:
+            return
+        prev = self._path.get(replica_id)
+        self._path[replica_id] = seconds if prev is None else (1 - PATH_EWMA) * prev + PATH_EWMA * seconds
 
     def overhead_s(self, replica_id: str) -> float:
-        """The replica's fitted fixed per-request seconds (the prefill line's intercept; 0 until fitted)."""
+        """The replica's fixed per-request seconds: the prefill line's intercept plus the request path's
+        (``observe_path``); for a replica not observed yet, the other replicas' mean (0 when there are none)."""
         est = self._mfu.get(replica_id)
-        return 0.0 if est is None or not est.line.ready else max(0.0, est.overhead_s)
+        if est is not None and est.line.ready:
+            line = max(0.0, est.overhead_s)
+        else:  # not fitted yet: its fleet's (every fitted replica's) mean, as ``hardware`` does
+            fits = [max(0.0, e.overhead_s) for e in self._mfu.values() if e.line.ready]
+            line = sum(fits) / len(fits) if fits else 0.0
+        path = self._path.get(replica_id)
+        if path is None:
+            path = sum(self._path.values()) / len(self._path) if self._path else 0.0
+        return line + path
 
     def tier_map(self, base: TierMap) -> TierMap:
         """``base`` with every tier class that has enough transfers replaced by its fitted spec."""
@@ -260,3 +346,4 @@ class Calibrator:
 
     def forget_replica(self, replica_id: str) -> None:
         self._mfu.pop(replica_id, None)
+        self._path.pop(replica_id, None)

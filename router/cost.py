@@ -34,9 +34,13 @@ def prefill_flops(model: ModelSpec, tokens: float, cached_tokens: float = 0.0) -
     """FLOPs to prefill positions [cached_tokens, tokens): linear term plus full-attention quadratic term."""
     if cached_tokens < 0 or tokens < cached_tokens:
         raise ValueError(f"need 0 <= cached_tokens <= tokens, got cached={cached_tokens} tokens={tokens}")
-    linear = 2.0 * (tokens - cached_tokens) * model.params
-    attention = 4.0 * (tokens**2 - cached_tokens**2) * model.n_q * model.head_dim * model.full_attention_layers
-    return linear + attention
+    return work_flops(model, tokens - cached_tokens, tokens**2 - cached_tokens**2)
+
+
+def work_flops(model: ModelSpec, tokens: float, tokens_sq: float) -> float:
+    """FLOPs of several prefills at once from their sums: ``tokens`` = Σ (P − c), ``tokens_sq`` = Σ (P² − c²)
+    (the prefill formula is linear in both, so a queue of prefills is priced from two numbers)."""
+    return 2.0 * tokens * model.params + 4.0 * tokens_sq * model.n_q * model.head_dim * model.full_attention_layers
 
 
 def effective_flops(gpu: GpuProfile, mfu: float, gpus: int = 1) -> float:

@@ -87,7 +87,11 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     seq: int  # per-replica sequence number, +1 per report
     running: int
-    waiting: int
+    waiting: int  # requests received that have not produced their first token (queued or prefilling)
+    # Their prefill work: Σ (P − c) and Σ (P² − c²) over them (P prompt tokens, c the tokens the decision planned
+    # to reuse): the routers price it with the replica's fitted prefill rate (``router.replica_book``).
+    waiting_tokens: int = 0
+    waiting_tokens_sq: int = 0
     key_root: bytes = b""  # namespace root of the replica's block keys (model id + registered layout + salt)
     stored: list[bytes] = []
     removed: list[bytes] = []

@@ -36,13 +36,14 @@ from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from kvpool.connector.timing import PoolRequestTiming
 from router.decision import AuditLog, DecisionRecord, RequestTimeline
-from router.hub import EngineProfile, PollReply, ReplicaPlacement, ReplicaReport, get_or_create_hub
+from router.hub import EngineProfile, PollReply, ReplicaReport, get_or_create_hub
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
-from router.policies.base import ActionName, ReplicaState, RouteRequest
+from router.policies.base import ActionName, RouteRequest
 from router.policies.pricing import TierMap, tier_class
 from router.policies.runner import PolicyRunner, make_policy
+from router.replica_book import ReplicaBook, ReplicaLoad
 from router.shard_sync import ShardEvents, ShardSync
 from router.wire import FetchPlanMsg, GenerateChunk, routing_root
 
@@ -51,16 +52,6 @@ log = logging.getLogger("kvstack.router")
 # Role names of the app config's tier map → TierMap.from_tiers keywords.
 _ROLE_TO_TIERMAP = {"local_dram": "dram_local", "remote_dram": "dram_remote", "local_ssd": "ssd_local",
                     "remote_ssd": "ssd_remote"}
-
-
-@dataclass(slots=True)
-class ReplicaLoad:
-    node_id: str
-    running: int
-    waiting: int
-    last_seen: float
-    mean_ttft_s: float = 0.0  # EWMA of observed TTFTs: what one queued request ahead costs, roughly
-    placement: ReplicaPlacement | None = None  # the CPUs its engine threads are bound to
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +63,7 @@ class Routed:
     action: ActionName
     fetch_plan: FetchPlanMsg | None
     request_id: str
+    planned_reuse_tokens: int = 0  # the decision's reused prompt tokens (the replica's queue model counts the rest)
 
 
 class LiveView:
@@ -96,7 +88,8 @@ class LiveView:
         self.transfers_unplaced = 0  # reported fetches from a shard this router does not know (yet): not used
         self.metrics.set_tier_prices(self.tier_prices())
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
-        self.loads: dict[str, ReplicaLoad] = {}
+        self.book = ReplicaBook(ttl_s=settings.replica_ttl_s, calibrator=self.calibrator, hardware=lambda: self.hardware)
+        self.loads = self.book.loads  # replica id -> its last report's load (the book's; read-only here)
         self.key_root = routing_root(settings.served_model_name, settings.cache_salt)
         self._cursor = 0
         self._hub: Any = None
@@ -166,10 +159,8 @@ class LiveView:
                          report.key_root.hex()[:16], report.replica_id)
                 self.key_root = BlockKey(report.key_root)
             self.index.apply_replica_report(report)
-            prev = self.loads.get(report.replica_id)
-            self.loads[report.replica_id] = ReplicaLoad(
-                report.node_id, report.running, report.waiting, now, prev.mean_ttft_s if prev else 0.0,
-                report.placement or (prev.placement if prev else None))
+            self.book.report(report.replica_id, report.node_id, report.running, report.waiting, now, report.placement,
+                             waiting_work=(report.waiting_tokens, report.waiting_tokens_sq))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
             if report.profile is not None and report.replica_id not in self._profiled:
@@ -197,9 +188,11 @@ class LiveView:
                 log.info("router %s: pricing with GPU profile %s (device %r)", self.router_id, gpu.name,
                          profile.device)
                 self.hardware = dataclasses.replace(self.hardware, gpu=gpu)
+                self.book.touch_all()
         for sample in profile.prefills:
             if sample.tokens > 0 and sample.seconds > 0:
                 self.calibrator.observe_prefill(replica_id, self.hardware, sample.tokens, 0, sample.seconds)
+        self.book.touch(replica_id)
 
     def _observe_transfers(self, report: ReplicaReport) -> None:
         """Feed the replica's finished pool fetches to the tier fits: the tier class is the one the policy priced
@@ -236,7 +229,7 @@ class LiveView:
                 for cls, (gbps, lat) in self.tier_prices().items()]
 
     def _forget(self, replica_id: str) -> None:
-        self.loads.pop(replica_id, None)
+        self.book.forget(replica_id)
         self.index.remove_source("replica", replica_id)
         self.metrics.forget_replica(replica_id)
         self.calibrator.forget_replica(replica_id)
@@ -275,8 +268,7 @@ class LiveView:
         return self.decision_summaries(limit)
 
     def live_replicas(self, now: float) -> dict[str, ReplicaLoad]:
-        ttl = self.settings.replica_ttl_s
-        return {rid: load for rid, load in self.loads.items() if now - load.last_seen <= ttl}
+        return self.book.live(now)
 
     def replica_count(self) -> int:
         return len(self.live_replicas(time.monotonic()))
@@ -284,7 +276,7 @@ class LiveView:
     # -- deciding --------------------------------------------------------------------------------------------
     def decide(self, request_id: str, token_ids: list[int]) -> tuple[Routed, list[bytes]]:
         keys = chain_keys(self.key_root, token_ids, self.settings.block_size)
-        replicas = self.replica_states(time.monotonic())
+        replicas = self.book.states(time.monotonic())
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
             return Routed(None, None, "recompute", None, request_id), list(keys)
         request = RouteRequest(request_id, len(token_ids), self.settings.block_size, keys)
@@ -293,22 +285,8 @@ class LiveView:
         if record.fetch is not None:
             f = record.fetch
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
-        return Routed(record, record.replica_id, cast(ActionName, record.action.value), plan, request_id), list(keys)
-
-    def replica_states(self, now: float) -> list[ReplicaState]:
-        """The live replicas as the policies see them (load, queue delay, calibrated hardware; HBM prefixes are
-        filled in per request by the index)."""
-        return [
-            ReplicaState(replica_id=rid, node_id=load.node_id, running=load.running, waiting=load.waiting,
-                         queue_delay_s=self.queue_delay_s(rid, load), hbm_prefix_blocks=0,
-                         hw=self.calibrator.hardware(rid, self.hardware))
-            for rid, load in self.live_replicas(now).items()
-        ]
-
-    def queue_delay_s(self, replica_id: str, load: ReplicaLoad) -> float:
-        """Predicted wait before this request's prefill: the replica's fitted fixed overhead plus one mean TTFT per
-        request already waiting there (running requests share the batch with ours, so they do not count)."""
-        return self.calibrator.overhead_s(replica_id) + load.waiting * load.mean_ttft_s
+        return (Routed(record, record.replica_id, cast(ActionName, record.action.value), plan, request_id,
+                       record.hbm_tokens + record.fetched_tokens), list(keys))
 
     def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk, ingress_s: float = 0.0) -> None:
         """Actual TTFT: regret and prediction error (runner), the request's timeline (``ingress_s``: its time in
@@ -323,11 +301,20 @@ class LiveView:
                 self.metrics.observe_stages(record, record.timeline.stages())
         replica_id = chunk.replica_id or (routed.target_replica or "")
         if replica_id and chunk.prompt_tokens > 0 and ttft_s > 0:
+            # The engine's own prefill seconds fit the MFU, the rest of the TTFT outside the engine's queue is the
+            # path's fixed cost (``router.calibration.Calibrator``); without vLLM's timestamps, the whole TTFT.
+            t = chunk.timeline
+            if t is not None and 0 <= t.queued_s <= t.scheduled_s < t.first_token_s:
+                prefill_s = t.first_token_s - t.scheduled_s
+                self.calibrator.observe_path(replica_id, ttft_s - (t.first_token_s - t.queued_s))
+            else:
+                prefill_s = ttft_s
             self.calibrator.observe_prefill(replica_id, self.hardware, chunk.prompt_tokens,
-                                            min(chunk.cached_tokens, chunk.prompt_tokens), ttft_s)
-            load = self.loads.get(replica_id)
-            if load is not None:
-                load.mean_ttft_s = ttft_s if load.mean_ttft_s == 0 else 0.8 * load.mean_ttft_s + 0.2 * ttft_s
+                                            min(chunk.cached_tokens, chunk.prompt_tokens), prefill_s)
+            self.book.observe_ttft(replica_id, ttft_s)  # also rebuilds its state with the new calibration
+            for rid in self.book.loads:  # replicas without a fit of their own are priced with the fleet's
+                if rid != replica_id and not self.calibrator.fitted(rid):
+                    self.book.touch(rid)
 
     def record_pool_timing(self, routed: Routed, timing: PoolRequestTiming) -> None:
         """The request finished: what its pool calls cost on vLLM's scheduler thread joins its timeline."""

@@ -88,6 +88,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     target_replica: str | None = None  # Serve replica unique id chosen by the policy
     action: ActionName = "recompute"
     fetch_plan: FetchPlanMsg | None = None
+    planned_reuse_tokens: int = 0  # prompt tokens the decision expects the engine not to compute (HBM + fetched)
 
 
 class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -239,15 +239,20 @@ def stop_driver_error_listener(join_s: float = 2.0) -> bool:
     per driver (the GCS's ``ObservabilityPubSubService`` event stats), ~13% of the engine's own core in the listener
     and gRPC threads, and GCS CPU for each of them. The engine never reads those messages (they are in the Ray logs),
     so it stops the thread the way ``ray.shutdown`` does: ``threads_stopped``, which only the error listener and the
-    log printer (off: ``log_to_driver=False``) watch. Ray's private driver state; if it changes, nothing is stopped
+    log printer (off: ``log_to_driver=False``) watch, and closing the error subscriber it polls. Ray's private driver state; if it changes, nothing is stopped
     and the engine runs as before (a warning says so)."""
     try:
         from ray._private.worker import global_worker
 
         stopped, thread = global_worker.threads_stopped, global_worker.listener_thread
+        subscriber = global_worker.gcs_error_subscriber
     except (ImportError, AttributeError) as exc:
         log.warning("kvpool connector: cannot stop Ray's driver error listener (%s): it keeps polling the GCS", exc)
         return False
     stopped.set()
+    # The thread checks the event between long polls; closing its subscriber (what ``ray.shutdown`` does next)
+    # ends the poll in flight, so the thread is gone at once instead of after the GCS answers (seconds on a busy
+    # box: the join used to run out).
+    subscriber.close()
     thread.join(join_s)
     return not thread.is_alive()

@@ -12,6 +12,10 @@ Actions (DESIGN.md, "The walk of one request"):
 - FETCH     — the replica pulls a prefix from a pool shard (``FetchPlan``) and computes the rest.
 - RECOMPUTE — the replica computes the whole prompt.
 - SPLIT     — the replica computes the head of the prefix while fetching its tail (``FetchPlan.start_block`` > 0).
+
+The values a decision builds many of (replica states, pool hits, candidates, fetch plans, the snapshot) are frozen
+msgspec structs: built ~10x faster than frozen dataclasses (the router's hot path makes dozens per request), and
+encoded by the decision records as they are. ``msgspec.structs.replace`` replaces ``dataclasses.replace`` on them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import msgspec
 from typing import Any, ClassVar, Literal
 
 from kvpool.keys import BlockKey
@@ -49,8 +55,7 @@ class RouteRequest:
     block_keys: Sequence[BlockKey]
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaState:
+class ReplicaState(msgspec.Struct, frozen=True):
     """A replica as the router sees it for one request."""
 
     replica_id: str
@@ -66,8 +71,7 @@ class ReplicaState:
         return self.running + self.waiting
 
 
-@dataclass(frozen=True, slots=True)
-class PoolHit:
+class PoolHit(msgspec.Struct, frozen=True):
     """The longest prefix of the request a pool shard holds in one storage tier."""
 
     shard_id: str
@@ -77,16 +81,14 @@ class PoolHit:
     queue_delay_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
+class ClusterSnapshot(msgspec.Struct, frozen=True):
     """What the policy may look at: every live replica and every pool hit for this request."""
 
     replicas: Sequence[ReplicaState]
     pool_hits: Sequence[PoolHit] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class FetchPlan:
+class FetchPlan(msgspec.Struct, frozen=True):
     """Blocks [start_block, end_block) of the request's keys, pulled from ``shard_id``'s ``tier``."""
 
     shard_id: str
@@ -100,8 +102,7 @@ class FetchPlan:
         return self.end_block - self.start_block
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(msgspec.Struct, frozen=True):
     """One priced option: an action on a replica, its predicted TTFT and the prefix it reuses."""
 
     action: Action

@@ -379,42 +379,31 @@ class CostBased(RoutingPolicy):
         pricer = self._pricer
 
         # Column views of the replicas (list comprehensions: CPython 3.11 specialises their slot reads, faster than
-        # map(attrgetter)), then one class per (hardware, node) for replicas without an HBM prefix: every such
-        # replica costs its queue plus its class's precomputed best.
+        # map(attrgetter)). One _Group per hardware object (keyed by identity: replicas of one deployment share
+        # theirs, calibrated ones share one per MFU grid point); per group, one class for the replicas without an
+        # HBM prefix and without a pool hit on their node (its fast class: each such replica costs its queue plus
+        # the class's precomputed best), one per node with a pool hit.
         qs = [r.queue_delay_s for r in rs]
         hws = [r.hw for r in rs]
-        hw0 = hws[0]
-        groups: dict[int, _Group] = {id(hw0): _Group(pricer.coeffs(hw0), prompt, bs, hits, split, self.split_staging)}
-        if all(hw is hw0 for hw in hws):  # one hardware object (groups are keyed by identity; equal values may be
-            # distinct objects, e.g. two replicas calibrated to the same MFU): the fast class, except replicas on a
-            # node with a pool hit
-            g0 = groups[id(hw0)]
-            fast = g0.fast
-            fc = fast.cost
+        nodes = [r.node_id for r in rs]
+        hids = list(map(id, hws))
+        groups: dict[int, _Group] = {}
+        for h in dict.fromkeys(hids):
+            groups[h] = _Group(pricer.coeffs(hws[hids.index(h)]), prompt, bs, hits, split, self.split_staging)
+        if len(groups) == 1:
+            g0 = groups[hids[0]]
+            fc = g0.fast.cost
             costs = [q + fc for q in qs]
-            cls_list = [fast] * n
-            local = g0.local
-            on_local: Sequence[int] = [i for i in range(n) if rs[i].node_id in local] if local else ()
-            used = {fast} if len(on_local) < n else set()
-            for i in on_local:
-                c = g0.node_class(rs[i].node_id)
-                cls_list[i] = c
-                costs[i] = qs[i] + c.cost
-                used.add(c)
-            n_classes = len(used)
+            cls_list = [g0.fast] * n
         else:
-            nodes = [r.node_id for r in rs]
-            keys = list(zip(map(id, hws), nodes, strict=True))
-            cls_map: dict[object, _Class] = {}
-            for k, hw in zip(keys, hws, strict=True):
-                if k not in cls_map:
-                    g = groups.get(k[0])
-                    if g is None:
-                        g = groups[k[0]] = _Group(pricer.coeffs(hw), prompt, bs, hits, split, self.split_staging)
-                    cls_map[k] = g.node_class(k[1])
-            cls_list = [cls_map[k] for k in keys]
+            fasts = {h: g.fast for h, g in groups.items()}
+            cls_list = list(map(fasts.__getitem__, hids))
             costs = [q + c.cost for q, c in zip(qs, cls_list)]
-            n_classes = len(set(cls_map.values()))
+        local = next(iter(groups.values())).local  # the nodes with a pool hit (the same for every group)
+        on_local = [i for i in range(n) if nodes[i] in local] if local else []
+        for i in on_local:
+            c = cls_list[i] = groups[hids[i]].node_class(nodes[i])
+            costs[i] = qs[i] + c.cost
 
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
@@ -429,7 +418,7 @@ class CostBased(RoutingPolicy):
                     continue
                 q = qs[i]
                 best, bd = _INF, _RECOMPUTE_PLAN
-                for t, d in groups[id(hws[i])].priced(hb if hb < max_blocks else max_blocks, rs[i].node_id):
+                for t, d in groups[hids[i]].priced(hb if hb < max_blocks else max_blocks, nodes[i]):
                     t += q
                     a = d.action
                     if t < act_cost[a]:
@@ -438,26 +427,28 @@ class CostBased(RoutingPolicy):
                         best, bd = t, d
                 costs[i] = best
                 special[i] = bd
-        # The best of every action among the class-priced replicas: each class's least-queued member (C loops:
-        # walking the replicas by descending queue, the last write per class is its argmin).
-        if n_classes == 1 and not special:
+        # The best of every action among the class-priced replicas: each class's least-queued plain member (the
+        # lowest index among equal queues, as min() over range(n) would pick). Fast classes: a C min over the
+        # queues with every other replica masked; node classes: their few members, one by one.
+        if not special and not on_local and len(groups) == 1:
             firsts = [(qs.index(min(qs)), cls_list[0])]
         else:
-            desc_q = sorted(range(n), key=qs.__getitem__, reverse=True)
-            by_cls = dict(zip(map(cls_list.__getitem__, desc_q), desc_q, strict=True))
-            firsts = [(i, c) for c, i in by_cls.items() if i not in special]
-            if special:  # a class whose least-queued member holds an HBM prefix: its least-queued plain member
-                for c in {c for c, i in by_cls.items() if i in special}:
-                    # Ascending queue (ties by descending index): the first plain member has the least queue; the
-                    # lowest index among those with that queue is the one min() over range(n) would pick.
-                    i, qi = -1, _INF
-                    for j in reversed(desc_q):
-                        if i >= 0 and qs[j] != qi:
-                            break
-                        if cls_list[j] is c and j not in special:
-                            i, qi = j, qs[j]
-                    if i >= 0:
-                        firsts.append((i, c))
+            masked = qs[:]
+            by_node: dict[_Class, tuple[float, int]] = {}
+            for i in on_local:
+                masked[i] = _INF
+                if i not in special:
+                    c = cls_list[i]
+                    if c not in by_node or qs[i] < by_node[c][0]:
+                        by_node[c] = (qs[i], i)
+            for i in special:
+                masked[i] = _INF
+            firsts = [(i, c) for c, (_, i) in by_node.items()]
+            for h, g in groups.items():
+                own = masked if len(groups) == 1 else [q if k == h else _INF for q, k in zip(masked, hids)]
+                m = min(own)
+                if m < _INF:
+                    firsts.append((own.index(m), g.fast))
         for i, c in firsts:
             q = qs[i]
             for t, d in c.acts:
@@ -509,7 +500,7 @@ class CostBased(RoutingPolicy):
                 held = picked[choosable]
             cands = picked
         t, i, d = decision
-        args = (rs[i], d, t, groups[id(hws[i])], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging)
+        args = (rs[i], d, t, groups[hids[i]], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging)
         return Ranking(cands, explain=lambda: _with_held_back(_formula(*args), held),  # formatted only when read
                        choosable=choosable)
 

@@ -32,8 +32,9 @@ import inspect
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from typing import Any
+
+from msgspec.structs import replace as replace_struct
 
 from router.decision import AuditLog, DecisionRecord
 from router.metrics import RouterMetrics
@@ -263,20 +264,13 @@ class PolicyRunner:
         if not extra:
             return snapshot
         replicas = list(snapshot.replicas)
-        for i, r in enumerate(replicas):
-            add = extra.get(r.replica_id)
-            if add is not None:
-                values = list(_rs_values(r))
-                values[_RS_WAITING] = r.waiting + add[0]
-                values[_RS_QUEUE] = r.queue_delay_s + add[1]
-                replicas[i] = ReplicaState(*values)  # dataclasses.replace, several times faster
+        ids = [r.replica_id for r in replicas]  # unique in a snapshot
+        for rid, (count, added_s) in extra.items():  # a few replicas: their positions found by C scans
+            if rid in ids:
+                i = ids.index(rid)
+                r = replicas[i]
+                replicas[i] = replace_struct(r, waiting=r.waiting + count, queue_delay_s=r.queue_delay_s + added_s)
         return ClusterSnapshot(replicas, snapshot.pool_hits)
-
-
-_RS_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaState))
-_RS_WAITING = _RS_FIELDS.index("waiting")
-_RS_QUEUE = _RS_FIELDS.index("queue_delay_s")
-_rs_values = attrgetter(*_RS_FIELDS)
 
 
 def _find(replicas: Sequence[ReplicaState], replica_id: str) -> ReplicaState | None:

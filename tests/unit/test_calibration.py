@@ -91,7 +91,7 @@ def test_calibrator_updates_hardware_and_tier_map() -> None:
         cal.observe_prefill("r0", hw, tokens, 0, cost.t_prefill(hw.model, hw.gpu, tokens, mfu=0.25))
         cal.observe_transfer("dram_remote", base, tokens * 1e5, tokens * 1e5 / 10e9)
     assert cal.hardware("r0", hw).mfu == pytest.approx(0.25, rel=1e-3)
-    assert cal.hardware("r1", hw) is hw
+    assert cal.hardware("r1", hw) is cal.hardware("r0", hw)  # not fitted yet: priced like its fleet
     tm = cal.tier_map(base)
     assert tm.dram_remote.bandwidth_gbps == pytest.approx(10 / 0.8, rel=1e-3)
     assert tm.dram_local is base.dram_local
@@ -118,3 +118,33 @@ def test_tier_fit_keeps_the_configured_latency_when_sizes_cannot_separate_it() -
         fast.observe(1e6 * (1 + k * 0.001), 0.002)
     assert fast.tier_spec().latency_s == 0.0
     assert fast.tier_spec().bandwidth_gbps * 0.7 == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_replica_faster_than_its_profile_peak_is_priced_at_what_it_sustains() -> None:
+    """The profile is a placeholder (cpu-2core) or wrong: the fit says the replica sustains more than the profile's
+    peak. Capping the MFU at 1 would keep predictions too slow; the peak is raised instead, at MFU 1."""
+    configured = router_hw(mfu=0.5)
+    est = MfuEstimator(configured, halflife=100)
+    peak = configured.gpu.bf16_tflops * 1e12
+    for tokens in (500, 1000, 2000, 4000, 8000, 16000):
+        flops = cost.prefill_flops(configured.model, tokens)
+        est.observe(tokens, 0, 0.002 + flops / (3.0 * peak))  # 3x the profile's peak
+    hw = est.hardware()
+    assert hw.mfu == 1.0 and hw.gpu.bf16_tflops == pytest.approx(3.0 * configured.gpu.bf16_tflops, rel=0.02)
+    t = cost.t_prefill(hw.model, hw.gpu, 4000, mfu=hw.mfu)
+    assert t == pytest.approx(cost.prefill_flops(configured.model, 4000) / (3.0 * peak), rel=0.02)
+    assert est.hardware() is hw
+
+
+def test_a_replica_without_its_own_fit_is_priced_like_its_fleet() -> None:
+    """A replica that has not served yet must not look slower than the fitted ones (it would never be chosen, so
+    never fitted): it takes the fleet's median fit and mean overhead until its own is ready."""
+    hw = router_hw(mfu=0.5)
+    cal = Calibrator(bw_util=0.8, min_obs=3)
+    assert cal.hardware("new", hw) is hw and cal.overhead_s("new") == 0.0  # nobody fitted: the configured prior
+    for tokens in (500, 2000, 8000, 16000):
+        cal.observe_prefill("old", hw, tokens, 0, 0.01 + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=0.2))
+    cal.observe_path("old", 0.03)
+    assert cal.fitted("old") and not cal.fitted("new")
+    assert cal.hardware("new", hw) is cal.hardware("old", hw)
+    assert cal.overhead_s("new") == pytest.approx(cal.overhead_s("old"))

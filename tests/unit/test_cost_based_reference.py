@@ -27,10 +27,12 @@ def _case(rng: random.Random) -> tuple[RouteRequest, list[PoolHit], list]:  # ty
                     rng.choice([0.0, rng.uniform(0, 0.05)]))
             for j in range(rng.randint(0, 5))]
     hw = rng.choice(HARDWARE)
+    mixed = rng.random() < 0.4  # replicas of several hardware objects (calibrated ones: one per MFU grid point)
     replicas = [router_replica(f"r{i}", f"node-{rng.randint(0, 3)}",
                                queue_delay_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
-                               hbm_prefix_blocks=rng.choice([0, rng.randint(0, top)]), hw=hw)
-                for i in range(rng.randint(1, 6))]
+                               hbm_prefix_blocks=rng.choice([0, rng.randint(0, top)]),
+                               hw=rng.choice(HARDWARE) if mixed else hw)
+                for i in range(rng.randint(1, 8))]
     return request, hits, replicas
 
 

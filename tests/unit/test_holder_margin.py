@@ -12,16 +12,16 @@ showed: 35 of 36 revisits fetched 1,024 tokens while the holder had 1,280).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 
+import msgspec
 import pytest
 
 from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 from deployments.app import ingress_settings
 from router.cost import prefill_flops
-from router.live_view import LiveView, ReplicaLoad
+from router.live_view import LiveView
 from router.policies.base import Action, ClusterSnapshot, PoolHit, RouteRequest
 from router.policies.cost_based import HELD_BACK, CostBased
 from tests.fakes.router import router_keys
@@ -53,10 +53,13 @@ def live_view(overheads: dict[str, float]) -> LiveView:
 def snapshot(view: LiveView, *, holder_waiting: int = 0, holder_blocks: int = HOLDER_BLOCKS,
              hit: PoolHit | None = None) -> ClusterSnapshot:
     now = time.monotonic()
-    view.loads["holder"] = ReplicaLoad("node-1", 0, holder_waiting, now, mean_ttft_s=1.0)
-    view.loads["idle"] = ReplicaLoad("node-2", 0, 0, now, mean_ttft_s=1.0)
-    states = {r.replica_id: r for r in view.replica_states(now)}  # queue delay as the live router computes it
-    holder = dataclasses.replace(states["holder"], hbm_prefix_blocks=holder_blocks)
+    view.book.report("holder", "node-1", 0, holder_waiting, now, None)
+    view.book.report("idle", "node-2", 0, 0, now, None)
+    for rid in ("holder", "idle"):
+        view.book.loads[rid].mean_ttft_s = 1.0
+        view.book.touch(rid)
+    states = {r.replica_id: r for r in view.book.states(now)}  # queue delay as the live router computes it
+    holder = msgspec.structs.replace(states["holder"], hbm_prefix_blocks=holder_blocks)
     hit = hit or PoolHit("shard-2", "node-2", "dram", POOL_BLOCKS)
     return ClusterSnapshot([holder, states["idle"]], (hit,))
 

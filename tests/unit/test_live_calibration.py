@@ -95,7 +95,7 @@ def test_decisions_price_fetches_with_the_calibrated_tier() -> None:
         from router.policies.base import RouteRequest
 
         req = RouteRequest("q", len(tokens), 16, keys)
-        ranking = view.runner.policy.rank(req, view.index.snapshot(req, view.replica_states(time.monotonic())))
+        ranking = view.runner.policy.rank(req, view.index.snapshot(req, view.book.states(time.monotonic())))
         return min(c.predicted_ttft_s for c in ranking.candidates if str(c.action) == "fetch")
 
     before = fetch_price()

@@ -8,6 +8,7 @@ import math
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 
 from configs.schema import TierSpec
@@ -197,7 +198,7 @@ def test_prefix_affinity_prefers_holder_until_imbalanced() -> None:
     idle = router_replica("idle", "node-1", running=1)
     chosen = policy.rank(request, ClusterSnapshot([holder, idle])).candidates[0]
     assert (chosen.replica_id, chosen.action) == ("hot", Action.HOLDER)
-    busy = dataclasses.replace(holder, running=6)  # 6 − 1 > 4 and 6 > 1.5 × 1
+    busy = msgspec.structs.replace(holder, running=6)  # 6 − 1 > 4 and 6 > 1.5 × 1
     ranking = policy.rank(request, ClusterSnapshot([busy, idle]))
     assert ranking.candidates[0].replica_id == "idle" and "imbalance guard" in ranking.reason
     cold = policy.rank(router_request(4096, salt="x"), router_cluster(3, running=2))
@@ -245,7 +246,7 @@ def test_overloaded_hot_holder_loses_to_a_fetch_elsewhere() -> None:
     assert best.fetch is not None and (best.fetch.shard_id, best.fetch.start_block, best.fetch.end_block) == (
         "s1", 0, 2048)
     # The same holder without its queue wins outright.
-    calm = dataclasses.replace(hot, running=0, queue_delay_s=0.0)
+    calm = msgspec.structs.replace(hot, running=0, queue_delay_s=0.0)
     assert _decide(router_tier_map(), router_request(32768 + 100), ClusterSnapshot([calm, cold], (hit,))).candidates[
         0
     ].action is Action.HOLDER
@@ -546,7 +547,7 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
         options = [local_candidate(pricer, r, request)]
         options += [c for h in hits if (c := fetch_candidate(pricer, r, h, request)) is not None]
         if r.hbm_prefix_blocks and min(r.hbm_prefix_blocks, full):  # RECOMPUTE is always an option too
-            options.append(dataclasses.replace(options[0], action=Action.RECOMPUTE, reused_tokens=0,
+            options.append(msgspec.structs.replace(options[0], action=Action.RECOMPUTE, reused_tokens=0,
                                                predicted_ttft_s=r.queue_delay_s + pricer.coeffs(r.hw).prefill(prompt, 0)))
         for c in options:
             brute[c.action] = min(brute.get(c.action, math.inf), c.predicted_ttft_s)

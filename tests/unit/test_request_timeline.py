@@ -61,3 +61,28 @@ def test_the_ingress_joins_both_into_the_decision_record_and_the_stage_metrics()
     assert view.registry.get_sample_value("kvstack_router_request_stage_seconds_count", labels) == 1
     labels["stage"] = "pool_lookup"
     assert view.registry.get_sample_value("kvstack_router_request_stage_seconds_count", labels) == 1
+
+
+def test_the_calibration_fits_the_engines_prefill_and_the_path_apart() -> None:
+    """The MFU line is fitted to vLLM's scheduled → first token (no queue, no load wait in it); the rest of the TTFT
+    outside the engine's queue is the path's fixed cost, and the queue delay the policy sees starts from it."""
+    from router import cost
+
+    view = make_view()
+    view.apply(PollReply(cursor=1, reports=[ReplicaReport(replica_id="r1", node_id="node-a", seq=1, running=0,
+                                                          waiting=0)]))
+    hw = view.hardware
+    true_mfu, path_s = hw.mfu / 3, 0.025
+    for i, tokens in enumerate((300, 600, 900, 1200, 1500, 1800, 2100)):
+        routed, _ = view.decide(f"req-{i}", list(range(tokens)))
+        prefill = cost.t_prefill(hw.model, hw.gpu, tokens, mfu=true_mfu)
+        wait = 0.2 * i  # queueing and a pool load wait: in the TTFT, not in the prefill
+        t = ReplicaTimeline(plan_s=0.0, queued_s=0.005, scheduled_s=0.005 + wait, first_token_s=0.005 + wait + prefill,
+                            first_chunk_s=0.007 + wait + prefill)
+        ttft = path_s + wait + prefill
+        view.record_first_token(routed, ttft, GenerateChunk(token_ids=[1], prompt_tokens=tokens, replica_id="r1",
+                                                            timeline=t), ingress_s=0.01)
+    assert view.calibrator.hardware("r1", hw).mfu == pytest.approx(true_mfu, rel=0.03)
+    assert view.calibrator.overhead_s("r1") == pytest.approx(path_s, abs=1e-3)
+    state = view.book.states(time.monotonic())[0]
+    assert state.queue_delay_s == pytest.approx(path_s, abs=1e-3)  # nothing waiting there: the path only
