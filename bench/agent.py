@@ -218,6 +218,9 @@ class LiveOptions:
     request_timeout_s: float = 120.0
     temperature: float = 0.0
     extra_body: dict[str, Any] | None = None
+    # At most this many sessions in flight (0: no bound, Poisson arrivals only). 1 is the sequential variant: a
+    # session starts at its arrival time or when the one before it ended, whichever is later.
+    max_concurrent_sessions: int = 0
 
 
 def _tool_call_message(session_id: int, turn: int, tool_count: int, content: str) -> dict[str, Any]:
@@ -299,7 +302,9 @@ async def run_sessions(
     progress: Progress,
     clock: Callable[[], float],
 ) -> tuple[list[RequestRecord], dict[str, int]]:
-    """Start sessions at their Poisson arrival times until the budget is spent; cancel what runs at the deadline.
+    """Start sessions at their Poisson arrival times until the budget is spent (no more than
+    ``opts.max_concurrent_sessions`` at once when it is set: a session waits for a free slot); cancel what runs at
+    the deadline.
 
     Returns every request made and ``{"started": sessions started, "completed": sessions that ran all turns}``.
     """
@@ -307,6 +312,14 @@ async def run_sessions(
     t_start = clock()
     tasks: list[asyncio.Task[list[RequestRecord]]] = []
     plans: list[SessionPlan] = []
+    slots = asyncio.Semaphore(opts.max_concurrent_sessions) if opts.max_concurrent_sessions > 0 else None
+
+    async def session(plan: SessionPlan, done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+        try:
+            return await run_session(client, w, plan, opts, budget, clock, t_start, done)
+        finally:
+            if slots is not None:
+                slots.release()
 
     async def spawn(done: Callable[[RequestRecord], None]) -> None:
         for sid, arrival in enumerate(arrivals(w)):
@@ -317,11 +330,15 @@ async def run_sessions(
                 return
             if delay > 0:
                 await asyncio.sleep(delay)
+            if slots is not None:
+                await slots.acquire()  # bounded: the spawner itself runs under the budget's deadline
             if budget.expired():
+                if slots is not None:
+                    slots.release()
                 return
             plan = session_plan(w, sid, arrival)
             plans.append(plan)
-            tasks.append(asyncio.create_task(run_session(client, w, plan, opts, budget, clock, t_start, done)))
+            tasks.append(asyncio.create_task(session(plan, done)))
 
     records: list[RequestRecord] = []
 

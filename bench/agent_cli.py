@@ -83,6 +83,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-choice", default=None,
                    help="OpenAI tool_choice sent with tools (default: none sent, as agent frameworks do, so the "
                         "server's default applies: auto with a tool parser)")
+    parser.add_argument("--max-concurrent-sessions", type=int, default=0,
+                        help="at most this many sessions in flight (0: no bound); 1: sessions one after another "
+                             "(the sequential variant)")
     add_budget_args(parser, default_requests=200, default_duration=120.0)
     add_output_args(parser)
 
@@ -99,6 +102,7 @@ async def run_agent_bench(args: argparse.Namespace) -> tuple[dict[str, Any], lis
             tool_choice=args.tool_choice,
             request_timeout_s=args.request_timeout_s,
             extra_body=parse_extra_body(args.extra_body),
+            max_concurrent_sessions=args.max_concurrent_sessions,
         )
         budget = Budget(max_requests=args.max_requests, duration_s=args.duration_s)
         label = args.label or args.endpoint
@@ -114,6 +118,7 @@ async def run_agent_bench(args: argparse.Namespace) -> tuple[dict[str, Any], lis
     config = {
         "workload": asdict(workload),
         "tools_mode": args.tools_mode,
+        "max_concurrent_sessions": args.max_concurrent_sessions,
         "max_requests": args.max_requests,
         "duration_s": args.duration_s,
     }

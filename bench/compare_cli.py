@@ -1,6 +1,7 @@
 """``kvstack bench compare``: policies side by side on one workload — in the simulator, and live when endpoints are given.
 
     kvstack bench compare --trace FILE --nodes 16 --hbm-tokens 300k --pool-tokens 3M --out report/
+    kvstack bench compare --live [live-compare flags]     # = kvstack bench live-compare (bench.live_compare)
     kvstack bench compare --agent-sessions 200 --endpoint round_robin=http://127.0.0.1:8001/v1 \\
         --endpoint cost_based=http://127.0.0.1:8002/v1 --live-max-requests 200 --out report/
 
@@ -40,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policies to simulate")
     parser.add_argument("--baseline", default="round_robin", help="ratios in the report are against this one")
     parser.add_argument("--no-sim", action="store_true", help="live comparison only")
+    parser.add_argument("--live", action="store_true",
+                        help="start one server per configuration and compare them live: this is `kvstack bench "
+                             "live-compare` (see its --help), every other flag is its")
     g = parser.add_argument_group("live (optional)")
     g.add_argument("--endpoint", type=_endpoint, action="append", default=[], metavar="NAME=URL",
                    help="an OpenAI base URL to drive with the agent workload; repeat for each policy/deployment")
@@ -51,6 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--extra-body", default=None)
     g.add_argument("--tools-mode", choices=["tools", "user"], default="tools")
     g.add_argument("--tool-choice", default="none")
+    g.add_argument("--max-concurrent-sessions", type=int, default=0,
+                   help="at most this many sessions in flight per endpoint (0: no bound; 1: sequential)")
     parser.add_argument("--out", type=Path, required=True, help="report directory")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -155,6 +161,11 @@ def _live_args(args: argparse.Namespace, name: str, url: str) -> argparse.Namesp
 
 def run(args: argparse.Namespace) -> int:
     from bench import plots
+
+    if args.live:  # only reachable when called past the dispatcher (cluster.cli.resolve_aliases)
+        print("kvstack bench compare: --live is `kvstack bench live-compare`; run it through `kvstack`",
+              file=sys.stderr)
+        return 2
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

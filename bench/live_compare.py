@@ -92,6 +92,7 @@ AGENT_FLAGS: dict[str, str] = {
     "seed": "--seed",
     "max_sessions": "--max-sessions",
     "tools_mode": "--tools-mode",
+    "max_concurrent_sessions": "--max-concurrent-sessions",
     "max_requests": "--max-requests",
     "duration_s": "--duration-s",
     "request_timeout_s": "--request-timeout-s",
@@ -129,9 +130,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="rebuild report.md/results.json from a previous run's work dir; start nothing")
     add_workload_args(parser)
     g = parser.add_argument_group("agent run")
-    g.add_argument("--tools-mode", choices=["tools", "user"], default="user",
-                   help="user (default): tool definitions in the system prompt, as the earlier reports ran it; "
-                        "tools: OpenAI `tools` (needs a tool parser on every endpoint compared)")
+    g.add_argument("--tools-mode", choices=["tools", "user"], default="tools",
+                   help="tools (default): OpenAI `tools` and tool-role results, as agent frameworks send them (every "
+                        "configuration serves them with the config's tool parser); user: tool definitions in the "
+                        "system prompt, as the reports before issue 13's item 3 ran it")
+    g.add_argument("--max-concurrent-sessions", type=int, default=0,
+                   help="0 (default): the concurrent variant, Poisson session arrivals; 1: the sequential variant, "
+                        "one session after another (each waits for its arrival time and the previous session's end)")
     g.add_argument("--max-requests", type=int, default=80)
     g.add_argument("--duration-s", type=float, default=210.0)
     g.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -532,7 +537,10 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
         lines.append("")
     w = meta["workload"]
     lines += ["## Workload", "",
-              f"Agent sessions (Poisson, {w['sessions_per_s']}/s), {w['system_prompt_variants']} shared system-prompt "
+              ("Sequential agent sessions (one at a time" if w.get("max_concurrent_sessions") == 1 else
+               f"Agent sessions (at most {w['max_concurrent_sessions']} at once" if w.get("max_concurrent_sessions")
+               else "Concurrent agent sessions (no bound")
+              + f"; Poisson arrivals, {w['sessions_per_s']}/s), {w['system_prompt_variants']} shared system-prompt "
               f"variants of {w['system_prompt_words']} words + {w['tools']} tool definitions ({w['tools_mode']} mode), "
               f"{w['turns_min']}-{w['turns_max']} turns of {w['user_words']}-word user messages or "
               f"{w['tool_result_words']}-word tool results (fraction {w['tool_result_fraction']}), think time "

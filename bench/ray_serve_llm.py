@@ -7,7 +7,10 @@ apply to both): the config's tiny model if it names one (``cluster.tiny_models.e
 multi-node Ray cluster (``cluster.local_cluster.LocalCluster``, the config's worker count and CPUs), and
 ``ray.serve.llm.build_openai_app`` with one ``LLMConfig``: the model served under the config's
 ``served_model_name``, engine arguments ``EngineSettings.vllm_engine_kwargs`` (what every kvstack replica and
-``kvstack bench oracle`` start vLLM with), ``app.replicas.num_replicas`` replicas of one CPU bundle each, and Ray
+``kvstack bench oracle`` start vLLM with) plus the config's OpenAI frontend options
+(``app.ingress.openai``: the tool parser, chat template; Ray Serve LLM hands ``FrontendArgs`` keys of
+``engine_kwargs`` to vLLM's serving layer), so an OpenAI ``tools`` request is served as kvstack and plain vLLM serve
+it; ``app.replicas.num_replicas`` replicas of one CPU bundle each, and Ray
 Serve LLM's ``PrefixCacheAffinityRouter`` (``--router prefix``, default) or Serve's default power-of-two router
 (``--router pow2``). No KV pool, no kvstack code on the request path.
 
@@ -41,7 +44,7 @@ def llm_config(cfg: Any, router: str = "prefix") -> Any:
     engine, replicas = cfg.app.engine, cfg.app.replicas
     if replicas.num_replicas is None:
         raise SystemExit("the Ray Serve LLM anchor needs app.replicas.num_replicas (a fixed replica count)")
-    kwargs = engine.vllm_engine_kwargs()
+    kwargs = {**engine.vllm_engine_kwargs(), **cfg.app.ingress.openai.vllm_serve_kwargs()}
     model_source = kwargs.pop("model")
     kwargs.pop("served_model_name")
     deployment: dict[str, Any] = {"num_replicas": replicas.num_replicas,

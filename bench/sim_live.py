@@ -93,6 +93,7 @@ class LiveCosts:
     prefills: int  # prefills the fit saw
     pool_calls_s: float  # lookup + lease per request, median (0 without the pool)
     outside_router_s: float = 0.0  # client TTFT − router TTFT, median (HTTP proxy, client): no timeline sees it
+    peak_tflops: float = 0.0  # the profile's peak as the fit raised it (0: the profile's own), as the router does
 
 
 def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
@@ -141,7 +142,8 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
 
         ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
         gap = max(0.0, float(outside_router(ordered, requests).get("p50") or 0.0))
-    return LiveCosts(mfu=est.mfu, prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
+    fitted = est.hardware()  # MFU on the router's grid; a profile slower than the engine gets its peak raised
+    return LiveCosts(mfu=fitted.mfu, peak_tflops=fitted.gpu.bf16_tflops, prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
                      request_overhead_s=(statistics.median(outside) if outside else 0.0) + gap, prefills=n,
                      pool_calls_s=pool_s, outside_router_s=gap)
 
@@ -220,7 +222,10 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
         trace = live_trace(log, variants, shared, settings["block_size"])
         c = costs.get(config) or fallback
         policy, pool = policy_of(config)
-        hw = dataclasses.replace(base_hw, mfu=c.mfu) if c else base_hw
+        hw = base_hw
+        if c:
+            gpu = base_hw.gpu.model_copy(update={"bf16_tflops": c.peak_tflops}) if c.peak_tflops else base_hw.gpu
+            hw = dataclasses.replace(base_hw, mfu=c.mfu, gpu=gpu)
         result = simulate(trace, SimConfig(
             nodes=nodes, replicas_per_node=replicas_per_node, policy=policy, hw=hw, tier_map=tiers,
             hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
@@ -276,7 +281,9 @@ def render(doc: Mapping[str, Any]) -> str:
               "Per run (costs fitted from the configuration's first run's decision records):", ""]
     for r in doc["runs"]:
         c = r["costs"] or {}
-        lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e}, per prefill "
+        peak = c.get("peak_tflops") or float("nan")
+        lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e} of {peak:.3g} "
+                     "TFLOPS, per prefill "
                      f"{c.get('prefill_overhead_s', 0.0):.3f} s (pool calls {c.get('pool_calls_s', 0.0):.3f} s), "
                      f"per request {c.get('request_overhead_s', 0.0):.3f} s (outside the router "
                      f"{c.get('outside_router_s', 0.0):.3f} s) ({r['costs_from']}); sim decisions "

@@ -40,6 +40,21 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("live-compare", "bench.live_compare", "one kvstack serve per policy + bench agent, markdown report"),
     ("sim-live", "bench.sim_live", "simulate a live-compare run's configurations on what it saw; sim vs live"),
 ]
+# (command path, flag) -> the command path it stands for: ``kvstack bench compare --live ...`` is
+# ``kvstack bench live-compare ...`` (the flag dropped, every other argument that command's).
+FLAG_ALIASES: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {
+    (("bench", "compare"), "--live"): ("bench", "live-compare"),
+}
+
+
+def resolve_aliases(argv: list[str]) -> list[str]:
+    """``argv`` with a flag alias (``FLAG_ALIASES``) replaced by the command it names."""
+    for (path, flag), target in FLAG_ALIASES.items():
+        if tuple(argv[: len(path)]) == path and flag in argv[len(path):]:
+            rest = argv[len(path):]
+            rest.remove(flag)
+            return [*target, *rest]
+    return argv
 
 
 def _load(module: str) -> ModuleType | None:
@@ -74,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(resolve_aliases(list(sys.argv[1:] if argv is None else argv)))
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

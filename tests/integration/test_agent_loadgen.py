@@ -221,3 +221,25 @@ def test_agent_bench_max_sessions_bounds_the_sessions_started(tmp_path: Path) ->
     assert rc == 0
     assert result["sessions"] == {"started": 3, "completed": 3}
     assert {r["session"] for r in result["request_log"]} == {0, 1, 2}
+
+
+def test_agent_bench_sequential_variant_runs_one_session_at_a_time(tmp_path: Path) -> None:
+    """``--max-concurrent-sessions 1``: sessions arriving 20 per second still run one after another — every request
+    of a session is sent after the previous session's last response ended."""
+    out = tmp_path / "sequential"
+    with FakeOpenAIServer() as srv:
+        rc = kvstack_main(["bench", "agent", "--endpoint", srv.base_url, *AGENT_SMALL, "--max-sessions", "4",
+                           "--max-concurrent-sessions", "1", "--max-requests", "100", "--duration-s", "60",
+                           "--out", str(out), "--save-requests"])
+    result = json.loads((out / "result.json").read_text())
+    assert rc == 0
+    assert result["sessions"] == {"started": 4, "completed": 4}
+    assert result["config"]["max_concurrent_sessions"] == 1
+    spans: dict[int, tuple[float, float]] = {}
+    for r in result["request_log"]:
+        lo, hi = spans.get(r["session"], (float("inf"), 0.0))
+        spans[r["session"]] = (min(lo, r["sent_at_s"]), max(hi, r["sent_at_s"] + r["e2e_s"]))
+    ordered = sorted(spans.values())
+    assert len(ordered) == 4
+    for (_, end), (start, _) in zip(ordered, ordered[1:]):
+        assert start >= end - 1e-3, ordered  # no overlap

@@ -129,8 +129,10 @@ def test_overlays_change_what_they_should() -> None:
     assert gpu["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     ssd = [v for v in gpu["template"]["spec"]["volumes"] if v["name"] == "kvpool-ssd"]
     assert ssd == [{"name": "kvpool-ssd", "hostPath": {"path": "/mnt/nvme/kvstack", "type": "DirectoryOrCreate"}}]
-    assert serve_app("overlays/local-kind")["args"]["replicas"]["num_gpus"] == 0
-    assert serve_app("overlays/gpu")["args"]["pool"]["dram_bytes"] == 512 * 2**30
+    from deployments.app_config import AppConfig
+
+    assert AppConfig.model_validate(serve_app("overlays/local-kind")["args"]).replicas.num_gpus == 0
+    assert AppConfig.model_validate(serve_app("overlays/gpu")["args"]).pool.dram_bytes == 512 * 2**30
 
 
 def test_gpu_overlay_runs_the_documented_gpu_config() -> None:
@@ -241,6 +243,21 @@ def test_serve_config_is_what_kvstack_serve_config_writes_for_its_app(rel: str) 
     assert {k: app[k] for k in ("name", "route_prefix", "import_path")} == {
         k: want[k] for k in ("name", "route_prefix", "import_path")}
     assert AppConfig.model_validate(want["args"]) == AppConfig.model_validate(app["args"])
+
+
+def test_serve_configs_are_generated_from_their_kvstack_configs(tmp_path: Path) -> None:
+    """Every kustomization's serveConfigV2 is ``k8s.tools.serve_configs``'s output for its recipe entry, current
+    (``--check``), and a changed source makes it stale."""
+    from k8s.tools import serve_configs
+
+    entries = serve_configs.load_recipe()
+    assert sorted(e["dir"] for e in entries) == sorted(APP_DIRS)
+    assert serve_configs.main(["--check"]) == 0, "run: python -m k8s.tools.serve_configs"
+    for e in entries:
+        assert ray_service(e["dir"])["spec"]["serveConfigV2"] == serve_configs.output_path(e).read_text()
+    (gpu,) = [e for e in entries if e["dir"] == "overlays/gpu"]
+    changed = dict(gpu, set={**gpu["set"], "app.engine.max_num_seqs": 17})
+    assert serve_configs.stale([changed]) == [serve_configs.output_path(gpu)]
 
 
 def test_key_name_walk_finds_typos_ray_serve_ignores() -> None:

@@ -30,8 +30,23 @@ def test_agent_argv_is_accepted_by_the_real_bench_agent_parser() -> None:
     assert argv[1:5] == ["-m", "cluster.cli", "bench", "agent"]
     parsed = build_parser().parse_args(argv[3:])
     w = workload_from_args(parsed)
-    assert (w.system_prompt_words, w.think_time_mean_s, parsed.tools_mode) == (123, 0.5, "user")
+    assert (w.system_prompt_words, w.think_time_mean_s, parsed.tools_mode) == (123, 0.5, "tools")
     assert (parsed.max_requests, parsed.duration_s, parsed.save_requests) == (80, 210.0, True)
+    assert parsed.max_concurrent_sessions == 0
+    sequential = build_parser().parse_args(lc.agent_argv(_args(max_concurrent_sessions=1), "http://127.0.0.1:9/v1",
+                                                         "rr", Path("/tmp/x"))[3:])
+    assert sequential.max_concurrent_sessions == 1
+
+
+def test_bench_compare_live_is_live_compare() -> None:
+    """``kvstack bench compare --live ...`` parses as ``kvstack bench live-compare ...`` with the same flags."""
+    from cluster.cli import build_parser, resolve_aliases
+
+    argv = resolve_aliases(["bench", "compare", "--repeats", "3", "--live", "--max-concurrent-sessions", "1"])
+    assert argv == ["bench", "live-compare", "--repeats", "3", "--max-concurrent-sessions", "1"]
+    args = build_parser().parse_args(argv)
+    assert args._run is lc.run and args.repeats == 3 and args.max_concurrent_sessions == 1
+    assert resolve_aliases(["bench", "compare", "--no-sim"]) == ["bench", "compare", "--no-sim"]
 
 
 def test_ratio_with_ci_known_values() -> None:

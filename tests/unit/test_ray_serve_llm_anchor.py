@@ -39,3 +39,16 @@ def test_an_autoscaled_config_is_refused() -> None:
                  "app.replicas.autoscaling_config.max_replicas=2")
     with pytest.raises(SystemExit, match="num_replicas"):
         llm_config(cfg)
+
+
+def test_the_anchor_serves_tools_with_the_configs_tool_parser() -> None:
+    """An OpenAI ``tools`` request must be served by the anchor as by kvstack: the config's frontend options reach
+    Ray Serve LLM's own split of ``engine_kwargs`` as vLLM frontend arguments (not refused as unknown)."""
+    from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
+
+    cfg = config()
+    assert cfg.app.ingress.openai.tool_call_parser == "hermes"  # configs/local.yaml
+    engine = VLLMEngineConfig.from_llm_config(llm_config(cfg))
+    assert engine.frontend_kwargs["tool_call_parser"] == "hermes"
+    assert engine.frontend_kwargs["enable_auto_tool_choice"] is True
+    assert "tool_call_parser" not in engine.engine_kwargs

@@ -49,7 +49,7 @@ def test_live_costs_fit_the_engine_prefill_and_the_per_request_costs() -> None:
             for i, (p, c) in enumerate([(1000, 0), (2000, 1024), (3000, 0), (1500, 512), (2500, 2048), (800, 0)])]
     got = live_costs(recs, HW)
     assert got is not None and got.prefills == 6
-    assert got.mfu == pytest.approx(0.1, rel=1e-3)
+    assert got.mfu == pytest.approx(0.1, rel=0.011)  # on the router's 2% MFU grid (snap_mfu)
     assert got.pool_calls_s == pytest.approx(0.006)
     assert got.prefill_overhead_s == pytest.approx(0.05 + 0.006, rel=1e-3)
     assert got.request_overhead_s == pytest.approx(0.03)
