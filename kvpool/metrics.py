@@ -24,6 +24,7 @@ PREFIX = "kvstack_pool_"
 class _Families:
     blocks: Gauge
     bytes: Gauge
+    model_blocks: Gauge
     capacity_blocks: Gauge
     leases_active: Gauge
     reservations_active: Gauge
@@ -50,6 +51,8 @@ def _families(registry: CollectorRegistry) -> _Families:
     fams = _Families(
         blocks=Gauge(PREFIX + "blocks", "Visible blocks held", st, registry=registry),
         bytes=Gauge(PREFIX + "bytes", "Bytes of visible blocks held", st, registry=registry),
+        model_blocks=Gauge(PREFIX + "model_blocks", "Visible blocks held per model (layout fingerprint)",
+                           ["shard", "model", "layout", "tier"], registry=registry),
         capacity_blocks=Gauge(PREFIX + "capacity_blocks", "Block slots of the tier", st, registry=registry),
         leases_active=Gauge(
             PREFIX + "leases_active", "Leases not yet released or expired", ["shard"], registry=registry
@@ -85,11 +88,20 @@ class PoolMetrics:
         self.shard_id = shard_id
         self.registry = registry if registry is not None else CollectorRegistry()
         self._f = _families(self.registry)
+        self._layout_labels: set[tuple[str, str, str]] = set()
 
     def set_tier(self, tier: str, blocks: int, nbytes: int, capacity: int) -> None:
         self._f.blocks.labels(self.shard_id, tier).set(blocks)
         self._f.bytes.labels(self.shard_id, tier).set(nbytes)
         self._f.capacity_blocks.labels(self.shard_id, tier).set(capacity)
+
+    def set_layouts(self, blocks: dict[tuple[str, str, str], int]) -> None:
+        """Visible blocks per (model label, layout fingerprint, tier); series of layouts no longer held go."""
+        for model, layout, tier in self._layout_labels - set(blocks):
+            self._f.model_blocks.remove(self.shard_id, model, layout, tier)
+        for (model, layout, tier), n in blocks.items():
+            self._f.model_blocks.labels(self.shard_id, model, layout, tier).set(n)
+        self._layout_labels = set(blocks)
 
     def set_active(self, leases: int, reservations: int) -> None:
         self._f.leases_active.labels(self.shard_id).set(leases)

@@ -131,6 +131,14 @@ class TierStats(msgspec.Struct, frozen=True):
     free: int
 
 
+class LayoutStats(msgspec.Struct, frozen=True):
+    """Visible blocks of one layout fingerprint (one model: a layout names its model, ``kvpool.layout``)."""
+
+    model: str  # the label its writers gave (the connector's model id; "" when none did)
+    dram_blocks: int
+    ssd_blocks: int
+
+
 class StoreStats(msgspec.Struct, frozen=True):
     shard_id: str
     epoch: str
@@ -142,6 +150,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     reservations: int
     event_seq: int
     counters: dict[str, int]
+    layouts: dict[str, LayoutStats] = {}  # per layout fingerprint: each model's own accounting
 
 
 class EntryInfo(msgspec.Struct, frozen=True):
@@ -221,6 +230,8 @@ class BlockStore:
         self._policy = {Tier.DRAM: dram_policy or LruPolicy(), Tier.SSD: ssd_policy or LruPolicy()}
         self._entries: dict[bytes, _Entry] = {}
         self._held = {Tier.DRAM: 0, Tier.SSD: 0}  # visible blocks per tier
+        self._by_layout: dict[str, dict[Tier, int]] = {}  # fingerprint -> visible blocks per tier
+        self._layout_model: dict[str, str] = {}  # fingerprint -> the model label its writers gave
         self._reservations: dict[int, _Reserved] = {}
         self._leases: dict[int, _Leased] = {}
         self._ids = itertools.count(1)
@@ -250,8 +261,11 @@ class BlockStore:
         checksums: Sequence[int],
         fingerprint: str,
         slot_index: Sequence[int] | None = None,
+        model: str = "",
     ) -> CommitResult:
-        """Make ``keys[i]`` visible from reservation slot i if its arena bytes match ``checksums[i]``.
+        """Make ``keys[i]`` visible from reservation slot i if its arena bytes match ``checksums[i]``. ``model``
+        labels the fingerprint's blocks in the stats and metrics (accounting only: the fingerprint keeps models
+        apart).
 
         ``slot_index[i]`` (distinct indices into the reservation's slots) says which slot holds ``keys[i]`` when the
         keys are not the leading slots (a pull committing the blocks that arrived, around the ones that did not);
@@ -296,12 +310,14 @@ class BlockStore:
                 self._count("commit_rejected")
                 self.metrics.checksum_failure(Tier.DRAM.value, "commit")
                 continue
-            self._entries[key] = _Entry(key, Tier.DRAM, slot, int(ck), fingerprint)
-            self._held[Tier.DRAM] += 1
+            e = self._entries[key] = _Entry(key, Tier.DRAM, slot, int(ck), fingerprint)
+            self._hold(e, Tier.DRAM, +1)
             self._policy[Tier.DRAM].insert(key, float(self.config.slot_bytes))
             self._log.append(EventKind.STORED, key, Tier.DRAM)
             committed.append(i)
         self.arena.free(to_free)
+        if model and committed:
+            self._layout_model[fingerprint] = model
         self._count("committed", len(committed))
         self._count("duplicates", len(duplicate))
         self.metrics.committed(len(committed))
@@ -490,6 +506,8 @@ class BlockStore:
             reservations=len(self._reservations),
             event_seq=self._log.seq,
             counters=dict(self.counters),
+            layouts={fp: LayoutStats(self._layout_model.get(fp, ""), n[Tier.DRAM], n[Tier.SSD])
+                     for fp, n in self._by_layout.items()},
         )
 
     def close(self) -> None:
@@ -500,6 +518,16 @@ class BlockStore:
     # ------------------------------------------------------------------ internals
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def _hold(self, e: _Entry, tier: Tier, delta: int) -> None:
+        """``delta`` visible blocks of ``e``'s layout in ``tier``: the shard's and the layout's counts."""
+        self._held[tier] += delta
+        per = self._by_layout.get(e.fingerprint)
+        if per is None:
+            per = self._by_layout[e.fingerprint] = {Tier.DRAM: 0, Tier.SSD: 0}
+        per[tier] += delta
+        if not per[Tier.DRAM] and not per[Tier.SSD]:
+            del self._by_layout[e.fingerprint]
 
     def _unpin(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -561,8 +589,8 @@ class BlockStore:
         self.arena.free([e.slot])
         self._policy[Tier.DRAM].remove(e.key)
         e.tier, e.slot = Tier.SSD, slot
-        self._held[Tier.DRAM] -= 1
-        self._held[Tier.SSD] += 1
+        self._hold(e, Tier.DRAM, -1)
+        self._hold(e, Tier.SSD, +1)
         self._policy[Tier.SSD].insert(e.key, float(self.config.slot_bytes))
         self._log.append(EventKind.TIER_CHANGED, e.key, Tier.SSD)
         self._count("demotions")
@@ -586,8 +614,8 @@ class BlockStore:
         self.ssd.free([e.slot])
         self._policy[Tier.SSD].remove(e.key)
         e.tier, e.slot = Tier.DRAM, dslot
-        self._held[Tier.SSD] -= 1
-        self._held[Tier.DRAM] += 1
+        self._hold(e, Tier.DRAM, +1)
+        self._hold(e, Tier.SSD, -1)
         self._policy[Tier.DRAM].insert(e.key, float(self.config.slot_bytes))
         self._log.append(EventKind.TIER_CHANGED, e.key, Tier.DRAM)
         self._count("promotions")
@@ -612,7 +640,7 @@ class BlockStore:
             self.ssd.free([e.slot])
         self._policy[e.tier].remove(e.key)
         del self._entries[e.key]
-        self._held[e.tier] -= 1
+        self._hold(e, e.tier, -1)
         self._log.append(EventKind.REMOVED, e.key, e.tier)
         if evicted:
             self._count(f"evictions_{e.tier.value}")
@@ -624,3 +652,5 @@ class BlockStore:
         self.metrics.set_tier(Tier.DRAM.value, n_dram, n_dram * sb, self.arena.n_slots)
         self.metrics.set_tier(Tier.SSD.value, n_ssd, n_ssd * sb, self.ssd.n_slots if self.ssd else 0)
         self.metrics.set_active(len(self._leases), len(self._reservations))
+        self.metrics.set_layouts({(self._layout_model.get(fp, ""), fp, tier.value): n
+                                  for fp, per in self._by_layout.items() for tier, n in per.items()})

@@ -360,7 +360,9 @@ class LiveView:
             except Exception as exc:  # noqa: BLE001 - a dead shard shows as unavailable
                 return {**head, "dram_blocks": 0, "ssd_blocks": 0, "error": str(exc)}
             return {**head, "dram_blocks": stats.dram.blocks, "ssd_blocks": stats.ssd.blocks,
-                    "leases": stats.leases, "slot_bytes": stats.slot_bytes, "counters": dict(stats.counters)}
+                    "leases": stats.leases, "slot_bytes": stats.slot_bytes, "counters": dict(stats.counters),
+                    "models": [{"model": ls.model, "layout": fp, "dram_blocks": ls.dram_blocks,
+                                "ssd_blocks": ls.ssd_blocks} for fp, ls in sorted(stats.layouts.items())]}
 
         shards = await asyncio.to_thread(list_shards, self.settings.hub_namespace)
         return list(await asyncio.gather(*(row(s) for s in shards)))

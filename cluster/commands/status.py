@@ -55,8 +55,11 @@ def render(status: dict[str, Any]) -> str:
     lines += [f"  {r['replica_id']:<14} node={r['node_id'][:12]}  running={r['running']} waiting={r['waiting']} "
               f"hbm_blocks={r['hbm_blocks']}  {_placement(r.get('placement'))}" for r in status["replicas"]]
     lines.append(f"pool shards ({len(status['shards'])}):")
-    lines += [f"  {s['shard_id']:<14} node={s['node_id'][:12]}  dram_blocks={s['dram_blocks']} "
-              f"ssd_blocks={s['ssd_blocks']}  leases={s.get('leases', 0)}" for s in status["shards"]]
+    for s in status["shards"]:
+        lines.append(f"  {s['shard_id']:<14} node={s['node_id'][:12]}  dram_blocks={s['dram_blocks']} "
+                     f"ssd_blocks={s['ssd_blocks']}  leases={s.get('leases', 0)}")
+        lines += [f"    model {m['model'] or '?'} (layout {m['layout'][:12]}): dram_blocks={m['dram_blocks']} "
+                  f"ssd_blocks={m['ssd_blocks']}" for m in s.get("models", [])]
     tiers = status.get("tiers", [])
     if tiers:
         lines.append("pool tier prices (this router):")

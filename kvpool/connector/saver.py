@@ -75,12 +75,13 @@ class BlockSaver:
 
     def __init__(self, peers: KnownPeers | TransferEndpoint, clients: Callable[[str], Any],
                  forget: Callable[[str], None], *, slot_bytes: int, staging_bytes: int, deadline_s: float,
-                 name: str = "kvpool-saver") -> None:
+                 name: str = "kvpool-saver", model: str = "") -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.slot_bytes = slot_bytes
         self.n_slots = max(1, staging_bytes // slot_bytes)
         self.deadline_s = deadline_s
+        self.model = model  # labels the commits (the shard's per-model accounting)
         self.stats = SaveStats()
         self._peers = peers if isinstance(peers, KnownPeers) else KnownPeers(peers)
         self._clients = clients
@@ -204,7 +205,7 @@ class BlockSaver:
             self.stats.bytes_written += result.bytes_moved
             if endpoint.backend == "shm":
                 self.stats.bytes_written_shm += result.bytes_moved
-            commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint)
+            commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint, model=self.model)
             reservation_id = None
             self.stats.blocks_committed += len(commit.committed)
             self.stats.blocks_rejected += len(commit.rejected)

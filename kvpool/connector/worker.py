@@ -146,7 +146,7 @@ class WorkerSide:
             peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name))
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
                                     slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
-                                    deadline_s=self.cfg.save_deadline_s)
+                                    deadline_s=self.cfg.save_deadline_s, model=self.model_id)
 
     def _check_local_slot(self, needed: int) -> None:
         """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""

@@ -185,7 +185,7 @@ class PoolShard:
         if req.checksum_algo != CHECKSUM_ALGO:
             raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
         with self._lock:
-            res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint)
+            res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)
         return encode(CommitReply(self.config.shard_id, self.store.epoch, res))
 
     def abort(self, raw: bytes) -> bytes:

@@ -139,9 +139,10 @@ class ShardClient:
         return decode(self._call("reserve", encode(ReserveRequest(n))), ReserveReply)
 
     def commit(
-        self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str
+        self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
+        model: str = "",
     ) -> CommitResult:
-        req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint)
+        req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model)
         return decode(self._call("commit", encode(req)), CommitReply).result
 
     def abort(self, reservation_id: int) -> bool:

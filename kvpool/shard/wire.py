@@ -104,6 +104,7 @@ class CommitRequest(msgspec.Struct, frozen=True, tag="commit"):
     fingerprint: str
     checksum_algo: str = CHECKSUM_ALGO  # checked against the shard's own (``kvpool.checksum``)
     version: int = POOL_WIRE_VERSION
+    model: str = ""  # the writer's model id: labels the fingerprint's blocks in the shard's accounting
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

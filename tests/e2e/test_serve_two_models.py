@@ -68,7 +68,7 @@ def test_each_model_answers_under_its_own_name(client, server) -> None:
     assert (specs["alpha"]["layers"], specs["beta"]["layers"], specs["beta"]["n_kv"]) == (4, 6, 3)
 
 
-def test_neither_model_hits_the_others_cache(client) -> None:
+def test_neither_model_hits_the_others_cache(client, server) -> None:
     system = "You answer briefly. " + " ".join(f"fact {i}: the value {i * 11} is kept." for i in range(100))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which fact is first?"}]
 
@@ -85,3 +85,18 @@ def test_neither_model_hits_the_others_cache(client) -> None:
     assert cached == 0 and action not in ("holder", "fetch", "split"), (cached, action)
     cached, _ = ask("beta")
     assert cached >= 128  # beta reuses its own
+    # The pool accounts each model's blocks apart (per layout fingerprint, labelled with the model id).
+    import time
+
+    deadline = time.monotonic() + 30.0  # saves are asynchronous
+    while True:
+        status = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+        held: dict[str, int] = {}
+        for shard in status["shards"]:
+            for m in shard.get("models", []):
+                held[m["model"]] = held.get(m["model"], 0) + m["dram_blocks"] + m["ssd_blocks"]
+        if (held.get("alpha", 0) > 0 and held.get("beta", 0) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert held.get("alpha", 0) >= 1 and held.get("beta", 0) >= 1, status["shards"]
+    assert sum(held.values()) == sum(s["dram_blocks"] + s["ssd_blocks"] for s in status["shards"])

@@ -96,9 +96,10 @@ class StoreShardClient:
             res = self.store.reserve(n)
         return ReserveReply(self.store.shard_id, self.store.epoch, self.agent_name, self.region_id, res)
 
-    def commit(self, reservation_id: int, keys: list[bytes], checksums: list[int], fingerprint: str) -> CommitResult:
+    def commit(self, reservation_id: int, keys: list[bytes], checksums: list[int], fingerprint: str,
+               model: str = "") -> CommitResult:
         with self._lock:
-            return self.store.commit(reservation_id, keys, checksums, fingerprint)
+            return self.store.commit(reservation_id, keys, checksums, fingerprint, model=model)
 
     def abort(self, reservation_id: int) -> bool:
         self.aborted.append(reservation_id)

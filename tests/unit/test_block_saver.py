@@ -39,7 +39,7 @@ def rig():
     shard = StoreShardClient(store, fabric)
     forgotten: list[str] = []
     saver = BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: shard, forgotten.append,
-                       slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0)
+                       slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0, model="tiny")
     yield saver, shard, store, forgotten
     shard.release()
     saver.close()
@@ -58,6 +58,8 @@ def test_staged_blocks_are_committed_with_their_bytes_and_padding(rig) -> None:
         assert saved_bytes(store, i) == expected
     assert saver.stats.blocks_committed == 3 and saver.stats.save_failures == 0
     assert saver.stats.blocks_rejected == 0  # the store recomputed every checksum
+    (layout,) = store.stats().layouts.values()  # counted under the saver's model
+    assert (layout.model, layout.dram_blocks) == ("tiny", 3)
 
 
 def test_the_cache_may_change_right_after_stage(rig) -> None:

@@ -366,3 +366,42 @@ def test_without_touch_the_oldest_blocks_go_first(make_store, tmp_path: Path, cl
     write_and_commit(store, new, [4, 5])
     assert store.lookup(hot, FP).prefix == 0 and store.lookup(cold, FP).prefix == 2
     store.close()
+
+
+def test_each_model_has_its_own_accounting(make_store) -> None:
+    """Blocks are counted per layout fingerprint (one model each) and tier, labelled with the writer's model id,
+    through commit, demotion, promotion on lease and eviction — in the stats and the ``model_blocks`` gauge."""
+    from prometheus_client import generate_latest
+
+    store = make_store(dram=4, ssd=2)
+    fa, fb = "a" * 32, "b" * 32
+
+    def commit(keys: list[bytes], seeds: list[int], fp: str, model: str) -> None:
+        res = store.reserve(len(keys))
+        for slot, seed in zip(res.slots, seeds, strict=True):
+            store.arena.view(slot)[:] = payload(seed)
+        out = store.commit(res.reservation_id, keys, [block_checksum(payload(s)) for s in seeds], fp, model=model)
+        assert out.committed == list(range(len(keys)))
+
+    def counts() -> dict[str, tuple[str, int, int]]:
+        return {fp: (ls.model, ls.dram_blocks, ls.ssd_blocks) for fp, ls in store.stats().layouts.items()}
+
+    alpha, beta = keys_for(3, "alpha"), keys_for(1, "beta")
+    commit(alpha, [0, 1, 2], fa, "alpha")
+    commit(beta, [3], fb, "beta")
+    assert counts() == {fa: ("alpha", 3, 0), fb: ("beta", 1, 0)}
+    assert store.demote(alpha[:2]) == 2
+    assert counts() == {fa: ("alpha", 1, 2), fb: ("beta", 1, 0)}
+    lease = store.lease(alpha[:1], fa, 30.0)  # promotes the first block back to DRAM
+    assert len(lease.blocks) == 1
+    assert counts() == {fa: ("alpha", 2, 1), fb: ("beta", 1, 0)}
+    store.release(lease.lease_id)
+    text = generate_latest(store.metrics.registry).decode()
+    assert f'kvstack_pool_model_blocks{{layout="{fa}",model="alpha",shard="{store.shard_id}",tier="ssd"}} 1.0' in text
+    commit(keys_for(4, "gamma"), [4, 5, 6, 7], fb, "beta")  # fills DRAM: the older blocks go to SSD or out
+    st = store.stats()
+    assert sum(ls.dram_blocks for ls in st.layouts.values()) == st.dram.blocks
+    assert sum(ls.ssd_blocks for ls in st.layouts.values()) == st.ssd.blocks
+    assert counts()[fb][0] == "beta" and counts()[fb][1] == 4
+    if fa not in counts():  # every alpha block evicted: its series is gone too
+        assert f'layout="{fa}"' not in generate_latest(store.metrics.registry).decode()
