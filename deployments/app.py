@@ -25,6 +25,7 @@ from deployments.app_config import AppConfig, ModelEntry
 from deployments.pool_keeper import PoolKeeper
 from deployments.replica import VLLMReplica
 from deployments.request_router import DecisionRequestRouter
+from router.access import AccessSettings
 from router.hub import DEFAULT_HUB_NAME
 from router.ingress import OpenAIIngress
 from router.ingress_settings import IngressSettings
@@ -57,6 +58,7 @@ def ingress_settings(cfg: AppConfig, entry: ModelEntry | None = None, index: int
         dtype=engine.dtype,
         reasoning_parser=engine.reasoning_parser,
         openai=cfg.ingress.openai,
+        access=AccessSettings.model_validate(cfg.ingress.model_dump(include=set(AccessSettings.model_fields))),
         hub_name=hub_name(index),
     )
 

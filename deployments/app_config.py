@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from configs.loader import pick
 from configs.schema import GpuProfile, ModelSpec, Strict, TierSpec
 from deployments.engine_settings import EngineSettings
+from router.access import AccessSettings
 from router.hub import CpuBinding
 from router.ingress_settings import OpenAIFrontendSettings, PolicyName, TierRole
 
@@ -153,9 +154,11 @@ class PoolSettings(Strict):
         return self
 
 
-class IngressDeploymentSettings(Strict):
-    """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``) and the
-    options of the vLLM OpenAI serving layer it runs (``vllm serve`` flag names: tool parser, chat template...)."""
+class IngressDeploymentSettings(AccessSettings):
+    """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``), who may
+    call it and how much it holds (``router.access.AccessSettings``: API keys file, ``metrics_need_key``,
+    ``max_queued_requests``), and the options of the vLLM OpenAI serving layer it runs (``vllm serve`` flag names:
+    tool parser, chat template...)."""
 
     num_replicas: int = Field(default=1, ge=1)
     openai: OpenAIFrontendSettings = Field(default_factory=OpenAIFrontendSettings)

@@ -13,6 +13,9 @@ live cluster view (``router.live_view``), ``PolicyRunner.decide`` (HOLDER / FETC
 the request to that replica through the Serve handle (``DecisionRequestRouter`` honours the choice), the replica's
 chunks back as vLLM outputs; the first token's arrival is recorded against the prediction (regret, calibration).
 
+Before any route, ``router.access.AccessMiddleware`` checks the API key (401), the admin key of ``/kvstack/*`` and
+the bound on unfinished generation requests (429 with ``Retry-After``); the key's tenant rides on the request.
+
 Every response carries ``x-kvstack-action``, ``x-kvstack-target``, ``x-kvstack-replica`` and ``x-kvstack-router``
 headers (what was decided, for which replica, where it ran — known before the body only when not streaming — and
 which router decided; for a batched completion, one comma-separated entry per prompt). A client that disconnects
@@ -32,12 +35,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from router import access
 from router import openai_format as fmt
 from router.ingress_settings import IngressSettings
 
 log = logging.getLogger("kvstack.ingress")
 
 app = FastAPI(title="kvstack", description="OpenAI-compatible endpoint with KV-cache-aware routing")
+app.add_middleware(access.AccessMiddleware)  # API keys, the admin key, max_queued_requests (router.access)
 
 
 @dataclass
@@ -75,7 +80,9 @@ class OpenAIIngress:
             self.models[settings.served_model_name] = ModelRoute(settings, replicas, view, frontend)
             self._refreshers.append(asyncio.get_event_loop().create_task(view.run()))
         self.first = next(iter(self.models.values()))
-        self.settings = self.first.settings  # the options every model shares (the OpenAI layer's)
+        self.settings = self.first.settings  # the options every model shares (the OpenAI layer's, access)
+        self.access = access.AccessGate.from_settings(self.settings.access)
+        access.install(self.access)
         keys.enable_jit()  # the block-key kernel, compiled (or loaded from its cache) now, not in a request
 
     def _route(self, model: str | None) -> ModelRoute:

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from configs.hf_model import pricing_spec
 from configs.schema import ModelSpec, Strict
+from router.access import AccessSettings
 from router.hub import DEFAULT_HUB_NAME
 
 # The policies a deployment can name (``router.policies.runner.POLICIES`` has these and test-only ones).
@@ -70,6 +71,7 @@ class IngressSettings(Strict):
     dtype: str = Field(description="the engines' dtype (vLLM's model config at the ingress must match theirs)")
     reasoning_parser: str | None = Field(description="the engines' vLLM reasoning parser (None: none)")
     openai: OpenAIFrontendSettings
+    access: AccessSettings = Field(description="API keys file, metrics_need_key, max_queued_requests (app.ingress)")
     # the router's own runtime knobs
     hub_name: str = DEFAULT_HUB_NAME
     hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace

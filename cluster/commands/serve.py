@@ -293,7 +293,18 @@ class ServeStack:
                                                "ray_address": getattr(self.cluster, "address", None)}))
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
         also = f" (and {', '.join(others)})" if others else ""
-        say(f"kvstack is serving {model}{also} at {base}   try: curl -s {base}/chat/completions "
+        from router.access import ADMIN_KEY_ENV, API_KEYS_ENV, load_keys
+
+        keys, admin = load_keys(self.cfg.app.ingress)
+        if keys:
+            say(f"[kvstack] API keys: {len(keys)} key(s) of {len(set(keys.values()))} tenant(s); /kvstack/* "
+                + ("needs $" + ADMIN_KEY_ENV if admin else f"is closed (no ${ADMIN_KEY_ENV})"))
+            auth = " -H 'Authorization: Bearer KEY'"
+        else:
+            say(f"[kvstack] no API keys (${API_KEYS_ENV}, app.ingress.api_keys_file): the endpoint is open to "
+                f"anyone who can reach {self.cfg.http.host}:{self.cfg.http.port}")
+            auth = ""
+        say(f"kvstack is serving {model}{also} at {base}   try: curl -s {base}/chat/completions{auth} "
             f"-H 'Content-Type: application/json' -d '{body}'")
 
     def stop(self) -> None:

@@ -35,8 +35,17 @@ def _endpoint(args: argparse.Namespace) -> str | None:
 
 
 def fetch_status(endpoint: str, decisions: int, timeout: float) -> dict[str, Any]:
+    """The endpoint's ``/kvstack/status`` (with ``$KVSTACK_ADMIN_KEY`` as the bearer key when it is set: an
+    endpoint with API keys serves it to the admin key only, ``router.access``)."""
+    import os
+
+    from router.access import ADMIN_KEY_ENV
+
     base = endpoint[: -len("/v1")] if endpoint.endswith("/v1") else endpoint
-    with urllib.request.urlopen(f"{base}/kvstack/status?decisions={decisions}", timeout=timeout) as resp:
+    req = urllib.request.Request(f"{base}/kvstack/status?decisions={decisions}")
+    if os.environ.get(ADMIN_KEY_ENV):
+        req.add_header("Authorization", f"Bearer {os.environ[ADMIN_KEY_ENV]}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 

@@ -1,8 +1,9 @@
 """``kvstack serve`` as a subprocess for e2e modules: started as a user starts it, torn down with SIGKILL.
 
-``running_serve(tmp, sets, model=None, config=None)`` is a generator (a module fixture's body): it starts ``python -m
+``running_serve(tmp, sets, model=None, config=None, env=None)`` is a generator (a module fixture's body): it starts ``python -m
 cluster.cli serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets`` (an SSD directory under ``tmp`` and
-the tiny dense model — or ``--model MODEL``, or ``--config FILE`` as written — are set first), waits until it prints
+the tiny dense model — or ``--model MODEL``, or ``--config FILE`` as written — are set first; ``env`` is added to
+its environment), waits until it prints
 that it is serving (at most ``ready_s``; a start that exits or times out fails the test with the tails of its logs),
 yields ``{"proc", "base", "state", "log"}`` and kills its process group after.
 """
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Path | None = None,
-                  config: Path | None = None) -> Iterator[dict[str, Any]]:
+                  config: Path | None = None, env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     port = free_port()
     state = tmp / "serve.json"
     log_path = tmp / "serve.log"
@@ -45,7 +46,7 @@ def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Pat
     log = open(log_path, "w")
     # As a user starts it: none of the vLLM variables earlier tests set in this process (in-process engines turn
     # V1 multiprocessing off here, which once made every replica of this server run in-process and unbound).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + ready_s
 

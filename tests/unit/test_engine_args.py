@@ -81,6 +81,7 @@ def test_the_ingress_parses_the_engines_own_arguments(tmp_path: Any) -> None:
     """The ingress's `vllm serve` arguments are the engines' (tokenizer, max_model_len, max_logprobs...), so its
     checks of a request are the engines' checks."""
     from router.ingress_settings import IngressSettings, OpenAIFrontendSettings
+    from router.access import AccessSettings
     from router.vllm_frontend import serve_args
 
     engine = EngineSettings(model=str(tmp_path), served_model_name="m", max_model_len=2048, max_logprobs=3,
@@ -89,7 +90,7 @@ def test_the_ingress_parses_the_engines_own_arguments(tmp_path: Any) -> None:
         served_model_name="m", model_path=str(tmp_path), engine_args=engine.vllm_engine_kwargs(), max_model_len=2048,
         block_size=128, cache_salt="", policy="round_robin", model_spec=None, gpu_profile="cpu-2core",
         tiers={"hbm": "hbm"}, mfu=0.4, bw_util=0.7, seed=0, dtype="bfloat16", reasoning_parser=None,
-        openai=OpenAIFrontendSettings())
+        openai=OpenAIFrontendSettings(), access=AccessSettings())
     args = serve_args(settings)
     assert args.max_model_len == 2048 and args.max_logprobs == 3 and args.trust_remote_code is True
     assert args.served_model_name == ["m"] and args.model == str(tmp_path)

@@ -15,6 +15,7 @@ from deployments.engine_probe import PROBE_FRACTIONS, probe_lengths
 from router.cost import t_prefill
 from router.hub import EngineProfile, PollReply, PrefillSample, ReplicaReport
 from router.ingress_settings import IngressSettings, OpenAIFrontendSettings
+from router.access import AccessSettings
 from router.live_view import LiveView
 
 
@@ -23,7 +24,7 @@ def make_view(gpu_profile: str | None) -> LiveView:
         served_model_name="m", model_path="/nonexistent", engine_args={"model": "/nonexistent"}, max_model_len=4096,
         block_size=16, cache_salt="", policy="cost_based", model_spec="qwen3-14b", gpu_profile=gpu_profile, mfu=0.4,
         bw_util=0.7, seed=0, tiers={"local_dram": "cpu-dram"}, dtype="bfloat16", reasoning_parser=None,
-        openai=OpenAIFrontendSettings()))
+        openai=OpenAIFrontendSettings(), access=AccessSettings()))
 
 
 def probe(view: LiveView, device: str, mfu: float) -> EngineProfile:

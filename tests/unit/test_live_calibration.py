@@ -12,6 +12,7 @@ import pytest
 from kvpool.shard.client import ShardEventSource
 from router.hub import HubState, PollReply, ReplicaReport, TransferSample
 from router.ingress_settings import IngressSettings, OpenAIFrontendSettings
+from router.access import AccessSettings
 from router.live_view import LiveView
 
 BW_UTIL = 0.7
@@ -23,7 +24,7 @@ def make_view() -> LiveView:
         max_model_len=4096, block_size=16, cache_salt="",
         policy="cost_based", model_spec="qwen3-14b", gpu_profile="h100-sxm5-80gb", mfu=0.4, bw_util=BW_UTIL, seed=0,
         tiers={"local_dram": "cpu-dram", "remote_dram": "rdma-pool", "local_ssd": "local-ssd"},
-        dtype="bfloat16", reasoning_parser=None, openai=OpenAIFrontendSettings(),
+        dtype="bfloat16", reasoning_parser=None, openai=OpenAIFrontendSettings(), access=AccessSettings(),
     )
     view = LiveView.from_settings(settings)
     view.shard_sync.set_shards([(ShardEventSource(None, sid), node) for sid, node in [("shard-a", "node-a"),

@@ -22,6 +22,7 @@ from cluster.tiny_models import make_tiny, preset_spec
 from router import openai_format as fmt
 from router.engine_client import ROUTE_TRACE, RouteTrace
 from router.ingress_settings import IngressSettings, OpenAIFrontendSettings
+from router.access import AccessSettings
 from router.live_view import Routed
 from router.wire import GenerateChunk, GenerateRequest, decode_sampling_params
 
@@ -117,7 +118,8 @@ def frontend_for(model_dir: Path, reasoning_parser: str | None = None) -> tuple[
         max_model_len=2048, block_size=16, cache_salt="",
         policy="round_robin", model_spec="qwen3-0.6b", gpu_profile="cpu-2core", tiers={"hbm": "hbm"}, mfu=0.4,
         bw_util=0.7, seed=0, dtype="bfloat16", reasoning_parser=reasoning_parser,
-        openai=OpenAIFrontendSettings(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+        openai=OpenAIFrontendSettings(enable_auto_tool_choice=True, tool_call_parser="hermes"),
+        access=AccessSettings())
     view, replicas = View(), Replicas()
     frontend = build_frontend(settings, view, replicas)
     replicas.tokenizer = frontend.engine_client.renderer.tokenizer
