@@ -15,14 +15,58 @@ no gain within noise, so plain positional I/O is kept (synchronous, no second ag
 The index lives in the store's memory; the slab is a cache, not a database: it is recreated empty when the tier
 opens, so a restarted shard never serves bytes it cannot vouch for. Space is reserved up front
 (``posix_fallocate``) so a full disk fails at start, not mid-demotion.
+
+Disk stays within its limit across restarts (issue 17): an open slab holds an exclusive ``flock`` on its file for
+its whole life (released by the kernel when its process dies, however it dies); ``close`` removes the file (and its
+directory when that is left empty). Before reserving its own space a new slab removes every orphan among its
+siblings — a ``kvpool.slab`` in a sibling directory of its own that no live process holds locked (a shard killed
+before it could close; on every start the local shard ids are new) — so a node's SSD tier holds only live shards'
+slabs. Nothing but files named ``kvpool.slab`` (and then-empty directories) is ever removed.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 from pathlib import Path
 
 SLAB_NAME = "kvpool.slab"
+log = logging.getLogger("kvpool.ssd")
+
+
+def remove_orphan_slabs(parent: Path, keep: Path | None = None) -> list[Path]:
+    """Remove every ``parent/*/kvpool.slab`` that no process holds locked (and its directory if left empty),
+    except under ``keep``; returns the slabs removed."""
+    removed: list[Path] = []
+    if not parent.is_dir():
+        return removed
+    for slab in sorted(parent.glob(f"*/{SLAB_NAME}")):
+        if keep is not None and slab.parent == keep:
+            continue
+        try:
+            fd = os.open(slab, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live slab
+        try:
+            size = os.fstat(fd).st_size
+            slab.unlink()
+            removed.append(slab)
+            log.info("removed the orphan SSD slab %s (%d bytes): its shard is gone", slab, size)
+        except OSError as exc:
+            log.warning("could not remove the orphan SSD slab %s: %s", slab, exc)
+        finally:
+            os.close(fd)
+        try:
+            slab.parent.rmdir()
+        except OSError:
+            pass  # not empty: something else lives there
+    return removed
 
 
 class SsdSlab:
@@ -34,8 +78,15 @@ class SsdSlab:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / SLAB_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        remove_orphan_slabs(self.directory.parent, keep=self.directory)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one live slab per file (see the module doc)
+        except OSError as exc:
+            os.close(self._fd)
+            raise RuntimeError(f"SSD slab {self.path} is in use by another live shard") from exc
+        try:
+            os.ftruncate(self._fd, 0)  # recreated empty: never serve bytes this slab did not write
             os.posix_fallocate(self._fd, 0, slot_bytes * n_slots)
         except OSError:
             os.close(self._fd)
@@ -79,6 +130,15 @@ class SsdSlab:
         return done
 
     def close(self) -> None:
+        """Remove the slab (a cache: nothing reads it after its shard) and its directory if left empty."""
         if self._fd >= 0:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
             os.close(self._fd)
             self._fd = -1
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass
