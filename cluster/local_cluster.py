@@ -91,8 +91,11 @@ class LocalCluster:
         # Ray's socket paths must stay short: a private dir directly under /tmp.
         self._tmp = tempfile.mkdtemp(prefix="kvs-", dir=self.temp_root or "/tmp")
         # Ray writes its "current cluster" address file under RAY_TMPDIR: keep it private too.
-        self._saved_env = {k: os.environ.get(k) for k in (*LOCAL_CLUSTER_ENV, "RAY_TMPDIR")}
+        from kvpool.secret import POOL_SECRET_ENV, ensure_pool_secret
+
+        self._saved_env = {k: os.environ.get(k) for k in (*LOCAL_CLUSTER_ENV, "RAY_TMPDIR", POOL_SECRET_ENV)}
         prepare_environment()
+        ensure_pool_secret()  # the pool's cluster secret (kvpool.secret): every Ray process started here inherits it
         os.environ["RAY_TMPDIR"] = self._tmp
         ray_dir = os.path.join(self._tmp, "ray")
         os.makedirs(ray_dir, exist_ok=True)

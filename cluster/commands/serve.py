@@ -183,9 +183,14 @@ class ServeStack:
         else:
             import ray
 
+            from kvpool.secret import POOL_SECRET_ENV, configured
+
             t = p.step(f"joining the Ray cluster at {cfg.cluster.address}")
             ray.init(address=cfg.cluster.address, namespace="kvstack")
             p.done("joined", t)
+            if not configured():
+                say(f"[kvstack] no ${POOL_SECRET_ENV} here: the pool's TCP transport authenticates its peers only "
+                    "when every node of the cluster has the same secret in its environment (README: Security)")
         self.on_ray_started()
         if stop.is_set():
             return

@@ -7,13 +7,20 @@ Roles: every endpoint runs a small server (a listening socket, one accept thread
 serves READ/WRITE requests against the regions registered here. A client endpoint ``add_peer(meta)`` with the
 peer's metadata (``payload`` = ``b"host:port"``) and pulls/pushes block ops over pooled connections.
 
+Handshake (issue 16: nothing is read, allocated or said before the peer proved it knows the cluster secret,
+``kvpool.secret``): on accept the server sends a 16-byte nonce; the client answers with its own nonce and
+HMAC(secret, "client", both nonces); the server checks it (within ``handshake_timeout_s``) and answers
+HMAC(secret, "server", both nonces), which the client checks in turn. A failed proof closes the connection without
+a word. Requests are then at most ``MAX_REQUEST_FRAME`` bytes (their spans, not data), and a connection idle past
+``server_idle_timeout_s`` is closed (the client's pool redials).
+
 Wire (one TCP connection carries one request at a time; every frame is a 4-byte big-endian length + msgpack):
   client -> server  ``TcpRequest`` (version, op, target agent name, target epoch, spans of (region, offset, len))
   WRITE:            then the raw bytes of every span, in order
   server -> client  ``TcpResponse`` (version, ok, error)
   READ and ok:      then the raw bytes of every span, in order
 The server checks the target name and epoch, so a request meant for an earlier incarnation that reaches a
-restarted server on the same port is refused, never served from the wrong memory.
+restarted server on the same port is refused, never served from the wrong memory (and the refusal names neither).
 
 Deadlines: the client derives every socket timeout (connect, send, receive) from the call's deadline. On expiry,
 peer death or a protocol error the connection is dropped; READ ops whose bytes fully arrived are reported ok, the
@@ -32,6 +39,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from kvpool import secret as pool_secret
 from kvpool.transfer.base import (
     TRANSFER_WIRE_VERSION,
     AgentMetadata,
@@ -62,6 +70,8 @@ TCP_WIRE_VERSION = 1
 TcpOp = Literal["read", "write"]  # a request of another op does not decode ("bad request")
 _FRAME = struct.Struct("!I")
 _MAX_FRAME = 64 << 20
+MAX_REQUEST_FRAME = 1 << 20  # a request is its spans (~20 bytes each): 50k spans, never a data-sized frame
+_CLIENT, _SERVER = b"kvstack-tcp-client-v1", b"kvstack-tcp-server-v1"
 _DRAIN_CHUNK = 1 << 20
 
 
@@ -73,6 +83,8 @@ class TcpOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     advertise_host: str = ""  # host peers dial; "" = bind_host (required when bind_host is 0.0.0.0 / ::)
     serve: bool = True  # run the server (a pure client may skip it)
     server_io_timeout_s: float = 30.0  # server side: bound on a client that stalls in the middle of a request
+    server_idle_timeout_s: float = 120.0  # server side: a connection idle this long between requests is closed
+    handshake_timeout_s: float = 5.0  # server side: the client's proof must arrive within this
     max_idle_connections: int = 8  # pooled connections kept per peer
 
     def __post_init__(self) -> None:
@@ -80,8 +92,8 @@ class TcpOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"port {self.port} out of range")
         if self.bind_host in ("0.0.0.0", "::", "") and not self.advertise_host:
             raise ValueError(f"bind_host {self.bind_host!r} needs an explicit advertise_host")
-        if self.server_io_timeout_s <= 0:
-            raise ValueError("server_io_timeout_s must be > 0")
+        if self.server_io_timeout_s <= 0 or self.server_idle_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("server_io_timeout_s, server_idle_timeout_s and handshake_timeout_s must be > 0")
         if self.max_idle_connections < 0:
             raise ValueError("max_idle_connections must be >= 0")
 
@@ -128,13 +140,13 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None
     return True
 
 
-def _recv_frame(sock: socket.socket, deadline: Deadline | None) -> bytes | None:
+def _recv_frame(sock: socket.socket, deadline: Deadline | None, limit: int = _MAX_FRAME) -> bytes | None:
     head = bytearray(_FRAME.size)
     if not _recv_exact(sock, memoryview(head), deadline):
         return None
     (length,) = _FRAME.unpack(head)
-    if length > _MAX_FRAME:
-        raise _ProtocolError(f"frame of {length} bytes exceeds {_MAX_FRAME}")
+    if length > limit:
+        raise _ProtocolError(f"frame of {length} bytes exceeds {limit}")
     body = bytearray(length)
     if length and not _recv_exact(sock, memoryview(body), deadline):
         raise ConnectionError("peer closed the connection after a frame header")
@@ -163,11 +175,14 @@ class TcpEndpoint(TransferEndpoint):
     backend = "tcp"
 
     def __init__(
-        self, agent_name: str, options: TcpOptions | None = None, metrics: TransferMetrics | None = None
+        self, agent_name: str, options: TcpOptions | None = None, metrics: TransferMetrics | None = None,
+        secret: bytes | None = None,
     ) -> None:
+        """``secret``: the cluster secret both ends prove (default: this process's, ``kvpool.secret``)."""
         if not agent_name:
             raise ValueError("agent_name must be non-empty")
         self._name = agent_name
+        self._secret = pool_secret.pool_secret() if secret is None else secret
         self._options = options or TcpOptions()
         self._metrics = metrics or transfer_metrics()
         self._epoch = new_epoch()
@@ -220,12 +235,31 @@ class TcpEndpoint(TransferEndpoint):
                 self._threads.append(thread)
             thread.start()
 
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """The server's side of the handshake (see the module doc); False: drop the connection, say nothing."""
+        conn.settimeout(self._options.handshake_timeout_s)
+        ours = pool_secret.nonce()
+        conn.sendall(ours)
+        answer = bytearray(pool_secret.NONCE_BYTES + pool_secret.MAC_BYTES)
+        if not _recv_exact(conn, memoryview(answer), None):
+            return False
+        theirs, mac = bytes(answer[: pool_secret.NONCE_BYTES]), bytes(answer[pool_secret.NONCE_BYTES:])
+        if not pool_secret.verify(self._secret, mac, _CLIENT, ours, theirs):
+            return False
+        conn.sendall(pool_secret.proof(self._secret, _SERVER, ours, theirs))
+        return True
+
     def _serve(self, conn: socket.socket) -> None:
         io_timeout = self._options.server_io_timeout_s
         try:
+            if not self._authenticate(conn):
+                return
             while not self._closed.is_set():
-                conn.settimeout(None)  # idle between requests: wait for the next one
-                raw = _recv_frame(conn, None)
+                conn.settimeout(self._options.server_idle_timeout_s)  # idle between requests: bounded
+                try:
+                    raw = _recv_frame(conn, None, MAX_REQUEST_FRAME)
+                except TimeoutError:
+                    return  # idle too long: the client's pool redials
                 if raw is None:
                     return
                 conn.settimeout(io_timeout)
@@ -262,10 +296,7 @@ class TcpEndpoint(TransferEndpoint):
         if req.version != TCP_WIRE_VERSION:
             return f"tcp wire version {req.version}, server speaks {TCP_WIRE_VERSION}", None
         if req.target != self._name or req.epoch != self._epoch:
-            return (
-                f"stale target {req.target}@{req.epoch}: this server is {self._name}@{self._epoch} (peer restarted?)",
-                None,
-            )
+            return "stale target: not this incarnation of the agent (peer restarted?)", None
         views: list[memoryview] = []
         with self._lock:
             regions = dict(self._regions)
@@ -464,7 +495,27 @@ class TcpEndpoint(TransferEndpoint):
         except OSError:
             return None, False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            authenticated = self._prove(sock, deadline)
+        except (OSError, ConnectionError):
+            authenticated = False
+        if not authenticated:
+            sock.close()
+            return None, False
         return sock, False
+
+    def _prove(self, sock: socket.socket, deadline: Deadline) -> bool:
+        """The client's side of the handshake: answer the server's nonce, then check the server's proof."""
+        theirs = bytearray(pool_secret.NONCE_BYTES)
+        if not _recv_exact(sock, memoryview(theirs), deadline):
+            return False
+        ours = pool_secret.nonce()
+        _settimeout(sock, deadline)
+        sock.sendall(ours + pool_secret.proof(self._secret, _CLIENT, bytes(theirs), ours))
+        mac = bytearray(pool_secret.MAC_BYTES)
+        if not _recv_exact(sock, memoryview(mac), deadline):
+            return False
+        return pool_secret.verify(self._secret, bytes(mac), _SERVER, bytes(theirs), ours)
 
     def _checkin(self, peer: _Peer, sock: socket.socket) -> None:
         with self._lock:
@@ -478,7 +529,8 @@ class TcpEndpoint(TransferEndpoint):
 def _connect_error(peer: _Peer, deadline: Deadline) -> str:
     if deadline.expired():
         return f"peer {peer.meta.agent_name!r}: deadline expired while connecting to {peer.host}:{peer.port}"
-    return f"peer {peer.meta.agent_name!r}: cannot connect to {peer.host}:{peer.port}"
+    return (f"peer {peer.meta.agent_name!r}: cannot connect to {peer.host}:{peer.port} (or the handshake failed: "
+            "not the same cluster secret?)")
 
 
 def _parse_address(meta: AgentMetadata) -> tuple[str, int]:

@@ -1,0 +1,54 @@
+"""The cluster secret: what a pool peer proves it knows before the pool serves it a byte (issue 16, item 3).
+
+One secret per cluster, in the environment of every process of it as ``KVSTACK_POOL_SECRET`` (any non-empty
+string; ``kvstack serve`` generates 32 random bytes, hex, before it starts the local Ray cluster, whose processes
+inherit it; on KubeRay it comes from a Kubernetes Secret on the pods). It is never logged, never put in a config,
+a Serve runtime env or an actor argument. Who uses it: the TCP transport's handshake (``kvpool.transfer.tcp``:
+both sides prove it with HMAC-SHA256 over fresh nonces before any request is read, so nothing is allocated or said
+to a stranger). With no secret set, the handshake runs with an empty key: it keeps peers of one build in step but
+authenticates nothing (``configured`` says which; the start-up log says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import MutableMapping
+
+POOL_SECRET_ENV = "KVSTACK_POOL_SECRET"
+NONCE_BYTES = 16
+MAC_BYTES = hashlib.sha256().digest_size
+
+
+def pool_secret(environ: MutableMapping[str, str] | None = None) -> bytes:
+    """This process's cluster secret (b"" when none is set)."""
+    return (os.environ if environ is None else environ).get(POOL_SECRET_ENV, "").encode()
+
+
+def configured(environ: MutableMapping[str, str] | None = None) -> bool:
+    return bool(pool_secret(environ))
+
+
+def ensure_pool_secret(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Generate a secret into ``environ`` (default ``os.environ``) unless one is set; True if it generated one."""
+    env = os.environ if environ is None else environ
+    if env.get(POOL_SECRET_ENV):
+        return False
+    env[POOL_SECRET_ENV] = secrets.token_hex(32)
+    return True
+
+
+def nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def proof(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``label`` and ``parts`` (each length-prefixed, so no two inputs share a message)."""
+    msg = b"".join(len(p).to_bytes(4, "big") + p for p in (label, *parts))
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, got: bytes, label: bytes, *parts: bytes) -> bool:
+    return hmac.compare_digest(got, proof(secret, label, *parts))
