@@ -212,7 +212,7 @@ def ray_section(
 
             client = client_cls.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes["b"].node_id, soft=False)
-            ).remote(shard.actor, slots, slot)
+            ).remote(shard.actor, shard.shard_id, slots, slot)
             res = ray.get(client.run.remote(block_sizes, batch, repeats, deadline_s),  # type: ignore[attr-defined]
                           timeout=600)
             out.update(res)
@@ -230,13 +230,13 @@ def ray_section(
 class _RayClient:
     """Runs on node B: reserve slots in node A's shard, NIXL-write them, read them back (timed)."""
 
-    def __init__(self, shard_actor: Any, slots: int, slot_bytes: int) -> None:
+    def __init__(self, shard_actor: Any, shard_id: str, slots: int, slot_bytes: int) -> None:
         from kvpool.shard.client import ShardClient
         from kvpool.transfer import decode_metadata, make_endpoint
         from kvpool.transfer.file_io import aligned_buffer
         from kvpool.transfer.nixl import NixlOptions
 
-        self.shard = ShardClient(shard_actor, "bench", deadline_s=30.0)
+        self.shard = ShardClient(shard_actor, shard_id, deadline_s=30.0)  # its id: the write proof names it
         self.slot_bytes = slot_bytes
         reply = self.shard.reserve(slots)
         self.reservation = reply.reservation

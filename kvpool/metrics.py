@@ -38,6 +38,7 @@ class _Families:
     checksum_failures: Counter
     leases_expired: Counter
     reservations_expired: Counter
+    refused: Counter
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -76,6 +77,8 @@ def _families(registry: CollectorRegistry) -> _Families:
         reservations_expired=Counter(
             PREFIX + "reservations_expired", "Reservations ended by expiry", ["shard"], registry=registry
         ),
+        refused=Counter(PREFIX + "unauthenticated", "Write-path calls refused: no proof of the cluster secret",
+                        ["shard", "op"], registry=registry),
     )
     _BY_REGISTRY[registry] = fams
     return fams
@@ -94,6 +97,9 @@ class PoolMetrics:
         self._f.blocks.labels(self.shard_id, tier).set(blocks)
         self._f.bytes.labels(self.shard_id, tier).set(nbytes)
         self._f.capacity_blocks.labels(self.shard_id, tier).set(capacity)
+
+    def refused(self, op: str) -> None:
+        self._f.refused.labels(self.shard_id, op).inc()
 
     def set_layouts(self, blocks: dict[tuple[str, str, str], int]) -> None:
         """Visible blocks per (model label, layout fingerprint, tier); series of layouts no longer held go."""

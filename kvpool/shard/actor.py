@@ -27,6 +27,7 @@ pulls stuck on a frozen source must not starve ``lookup`` / ``lease`` of the con
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from typing import Any
@@ -36,6 +37,7 @@ import ray
 
 from kvpool.checksum import CHECKSUM_ALGO
 from kvpool.metrics import PoolMetrics
+from kvpool.secret import pool_secret, write_proof
 from kvpool.shard.pull import Puller, named_shard_resolver
 from kvpool.shard.wire import (
     AbortRequest,
@@ -79,6 +81,7 @@ class PoolShard:
         cfg = msgspec.msgpack.decode(config, type=ShardConfig)
         self.config = cfg
         self.metrics = PoolMetrics(cfg.shard_id)
+        self._secret = pool_secret()  # the cluster secret of this process (kvpool.secret): the write path needs it
         self.store = BlockStore(cfg.store, shard_id=cfg.shard_id, metrics=self.metrics)
         self._lock = threading.Lock()
         ctx = ray.get_runtime_context()
@@ -172,8 +175,15 @@ class PoolShard:
             ok = self.store.release(req.lease_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
+    def _check_write(self, got: bytes, op: str, reservation_id: int = 0) -> None:
+        """Refuse a write-path call without the cluster secret's proof (``kvpool.secret``), saying nothing else."""
+        if not hmac.compare_digest(got, write_proof(self._secret, op, self.config.shard_id, reservation_id)):
+            self.metrics.refused(op)
+            raise PermissionError(f"{op}: not authenticated (the cluster secret's proof is missing or wrong)")
+
     def reserve(self, raw: bytes) -> bytes:
         req = decode(raw, ReserveRequest)
+        self._check_write(req.proof, "reserve")
         with self._lock:
             res = self.store.reserve(req.n)
         return encode(
@@ -184,6 +194,7 @@ class PoolShard:
         req = decode(raw, CommitRequest)
         if req.checksum_algo != CHECKSUM_ALGO:
             raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
+        self._check_write(req.proof, "commit", req.reservation_id)
         with self._lock:
             res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)
         return encode(CommitReply(self.config.shard_id, self.store.epoch, res))

@@ -26,6 +26,7 @@ import msgspec
 import ray
 
 from kvpool.events import EventBatch, ShardSnapshot
+from kvpool.secret import pool_secret, write_proof
 from kvpool.shard.wire import (
     PULL_LEASE_TTL_S,
     AbortRequest,
@@ -136,13 +137,16 @@ class ShardClient:
         self.handle.release.remote(encode(ReleaseRequest(lease_id)))
 
     def reserve(self, n: int) -> ReserveReply:
-        return decode(self._call("reserve", encode(ReserveRequest(n))), ReserveReply)
+        proof = write_proof(pool_secret(), "reserve", self.shard_id)
+        return decode(self._call("reserve", encode(ReserveRequest(n, proof=proof))), ReserveReply)
 
     def commit(
         self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
         model: str = "",
     ) -> CommitResult:
-        req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model)
+        proof = write_proof(pool_secret(), "commit", self.shard_id, reservation_id)
+        req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model,
+                            proof=proof)
         return decode(self._call("commit", encode(req)), CommitReply).result
 
     def abort(self, reservation_id: int) -> bool:

@@ -249,6 +249,29 @@ def test_commit_with_a_wrong_checksum_is_not_visible(pool: Pool, writer: Any) ->
     assert client.lookup(keys, FP).result.prefix == 1
 
 
+def test_a_caller_without_the_cluster_secret_can_neither_reserve_nor_commit(pool: Pool, writer: Any) -> None:
+    """The shard's write path needs the proof of the cluster secret (``kvpool.secret.write_proof``): a Ray caller
+    that sends none (or a forged one) gets no slots and makes no block visible, even with correct checksums."""
+    from kvpool.shard.wire import CommitRequest, ReserveRequest, encode
+
+    client = pool.client("a")
+    with pytest.raises(Exception, match="not authenticated"):
+        ray.get(client.handle.reserve.remote(encode(ReserveRequest(2))), timeout=60)
+    with pytest.raises(Exception, match="not authenticated"):
+        ray.get(client.handle.reserve.remote(encode(ReserveRequest(2, proof=b"x" * 32))), timeout=60)
+    keys = keys_for(1, "forged")
+    rep = client.reserve(1)  # a real writer's reservation, then a forger's commit into it
+    ray.get(writer.fill.remote(0, payload(21)), timeout=60)
+    region = ray.get(writer.region_id.remote(), timeout=30)
+    ops = [(rep.region_id, rep.reservation.offsets[0], region, 0, SLOT)]
+    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
+    forged = CommitRequest(rep.reservation.reservation_id, keys, [block_checksum(payload(21))], FP)
+    with pytest.raises(Exception, match="not authenticated"):
+        ray.get(client.handle.commit.remote(encode(forged)), timeout=60)
+    assert client.lookup(keys, FP).result.prefix == 0
+    assert "kvstack_pool_unauthenticated_total" in ray.get(client.handle.metrics_text.remote(), timeout=30).decode()
+
+
 def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> None:
     client = pool.client("a")
     leased = keys_for(3, "leased")
