@@ -213,11 +213,15 @@ def _layer_index(name: str, fallback: int) -> int:
     return int(m.group(1)) if m else fallback
 
 
-def model_digest(hf_config_json: str, kv_cache_config: Any, cache_dtype: str) -> str:
-    """Digest of everything about the model and engine settings that shapes KV bytes (goes into ``KvLayout``)."""
+def model_digest(hf_config_json: str, kv_cache_config: Any, cache_dtype: str, weights: str = "",
+                 quantization: str = "") -> str:
+    """Digest of everything about the model and engine settings that shapes KV bytes (goes into ``KvLayout``):
+    the config, the KV-cache dtype, the cache groups, the weights' identity (``kvpool.connector.weights``: another
+    checkpoint at the same path is another namespace) and the quantization."""
     h = hashlib.blake2b(digest_size=8)
     h.update(hf_config_json.encode())
     h.update(cache_dtype.encode())
+    h.update(f"\0weights={weights}\0quantization={quantization}\0".encode())
     for group in kv_cache_config.kv_cache_groups:
         h.update(repr(group.kv_cache_spec).encode())
     return h.hexdigest()

@@ -45,6 +45,7 @@ from kvpool.connector.layout import (
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
 from kvpool.connector.pool import KnownPeers, PoolShards
 from kvpool.connector.saver import BlockSaver, SaveStats
+from kvpool.connector.weights import weights_identity
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint
 
@@ -101,7 +102,10 @@ class WorkerSide:
         self.model_id = cfg.model_id or (name[0] if isinstance(name, list) else str(name))
         hf = vllm_config.model_config.hf_config
         hf_json = hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf)
-        self.digest = model_digest(hf_json, kv_cache_config, str(vllm_config.cache_config.cache_dtype))
+        mc = vllm_config.model_config
+        self.digest = model_digest(hf_json, kv_cache_config, str(vllm_config.cache_config.cache_dtype),
+                                   weights=weights_identity(mc.model, getattr(mc, "revision", None)),
+                                   quantization=str(getattr(mc, "quantization", None) or ""))
         self.layout: KvLayout | None = None
         self.geometry: PoolGeometry | None = None
         self.endpoint: TransferEndpoint | None = None
