@@ -269,6 +269,7 @@ def test_a_caller_without_the_cluster_secret_can_neither_reserve_nor_commit(pool
     with pytest.raises(Exception, match="not authenticated"):
         ray.get(client.handle.commit.remote(encode(forged)), timeout=60)
     assert client.lookup(keys, FP).result.prefix == 0
+    assert client.abort(rep.reservation.reservation_id)  # the slot back for the tests after this one
     assert "kvstack_pool_unauthenticated_total" in ray.get(client.handle.metrics_text.remote(), timeout=30).decode()
 
 

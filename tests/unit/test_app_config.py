@@ -153,6 +153,7 @@ FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-
 ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "replica_ttl_s",
                         "decision_log_size"}
 ENGINE_ARGS = {"engine_args"}  # the engines' whole vLLM arguments (EngineSettings.vllm_engine_kwargs)
+ACCESS = {"access"}  # app.ingress's access keys (router.access.AccessSettings), flat in the config: checked below
 
 
 def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
@@ -160,8 +161,8 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
     from router.ingress_settings import IngressSettings
 
     fields = IngressSettings.model_fields
-    assert set(fields) == set(FROM_APP_CONFIG) | ROUTER_RUNTIME_KNOBS | ENGINE_ARGS
-    assert all(fields[name].is_required() for name in set(FROM_APP_CONFIG) | ENGINE_ARGS)
+    assert set(fields) == set(FROM_APP_CONFIG) | ROUTER_RUNTIME_KNOBS | ENGINE_ARGS | ACCESS
+    assert all(fields[name].is_required() for name in set(FROM_APP_CONFIG) | ENGINE_ARGS | ACCESS)
     args = _args()
     defaults = AppConfig.model_validate(args)
     for section, key, value in FROM_APP_CONFIG.values():
@@ -175,12 +176,16 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
         if hasattr(got_value, "model_dump"):
             got_value = got_value.model_dump(exclude_defaults=True)
         assert got_value == value, name
+    access = {"api_keys_file": "/etc/kvstack/keys.yaml", "metrics_need_key": True, "max_queued_requests": 7}
+    args["ingress"] = {**args.get("ingress", {}), **access}
+    assert ingress_settings(AppConfig.model_validate(args)).access.model_dump() == access
 
 
 def test_router_settings_are_typed() -> None:
     from router.ingress_settings import IngressSettings
 
-    base = {name: value for name, (_, _, value) in FROM_APP_CONFIG.items()} | {"engine_args": {"model": "/m"}}
+    base = {name: value for name, (_, _, value) in FROM_APP_CONFIG.items()} | {"engine_args": {"model": "/m"},
+                                                                               "access": {}}
     IngressSettings.model_validate(base)
     with pytest.raises(ValidationError, match="policy"):
         IngressSettings.model_validate({**base, "policy": "cost-based"})
