@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping
 
 from configs.schema import TierSpec
@@ -244,6 +245,12 @@ class TierEstimator:
 
 #: Weight of a new sample in the request path's fixed-seconds EWMA (``Calibrator.observe_path``).
 PATH_EWMA = 0.2
+#: A replica's own path EWMA prices it only after this many samples; before, its fleet's does. A fresh engine's first
+#: requests (warm-up, cold caches) carry seconds of one-off cost: priced on those alone, a replica that served only
+#: them looked slow for good, was never chosen again and never re-measured (issue 13: 40 of 42 requests on one
+#: replica of two). A sample past ``PATH_OUTLIER_X`` times the estimate is clipped to it.
+PATH_MIN_OBS = 5
+PATH_OUTLIER_X = 4.0
 
 
 class Calibrator:
@@ -264,6 +271,8 @@ class Calibrator:
         # (id(base), mfu, peak TFLOPS) -> (base, hardware): one object per grid point
         self._shared: dict[tuple[int, float, float], tuple[Hardware, Hardware]] = {}
         self._path: dict[str, float] = {}  # replica id -> EWMA of the request path's fixed seconds
+        self._path_n: dict[str, int] = {}  # replica id -> samples in it
+        self._path_first: dict[str, list[float]] = {}  # replica id -> its first samples (fewer than PATH_MIN_OBS)
 
     def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float) -> bool:
         est = self._mfu.get(replica_id)
@@ -316,21 +325,34 @@ class Calibrator:
         replica's preparation and the first chunk's way back (TTFT less the engine's queued → first token)."""
         if seconds < 0 or seconds != seconds:
             return
-        prev = self._path.get(replica_id)
-        self._path[replica_id] = seconds if prev is None else (1 - PATH_EWMA) * prev + PATH_EWMA * seconds
+        n = self._path_n.get(replica_id, 0)
+        self._path_n[replica_id] = n + 1
+        if n < PATH_MIN_OBS:  # the first samples: their median starts the EWMA (a cold first request weighs 1/5)
+            first = self._path_first.setdefault(replica_id, [])
+            first.append(seconds)
+            self._path[replica_id] = statistics.median(first)
+            if n + 1 == PATH_MIN_OBS:
+                del self._path_first[replica_id]
+            return
+        prev = self._path[replica_id]
+        seconds = min(seconds, PATH_OUTLIER_X * prev)
+        self._path[replica_id] = (1 - PATH_EWMA) * prev + PATH_EWMA * seconds
 
     def overhead_s(self, replica_id: str) -> float:
         """The replica's fixed per-request seconds: the prefill line's intercept plus the request path's
-        (``observe_path``); for a replica not observed yet, the other replicas' mean (0 when there are none)."""
+        (``observe_path``). A replica without a fit or ``PATH_MIN_OBS`` path samples of its own gets its fleet's."""
         est = self._mfu.get(replica_id)
         if est is not None and est.line.ready:
             line = max(0.0, est.overhead_s)
         else:  # not fitted yet: its fleet's (every fitted replica's) mean, as ``hardware`` does
             fits = [max(0.0, e.overhead_s) for e in self._mfu.values() if e.line.ready]
             line = sum(fits) / len(fits) if fits else 0.0
-        path = self._path.get(replica_id)
-        if path is None:
-            path = sum(self._path.values()) / len(self._path) if self._path else 0.0
+        if self._path_n.get(replica_id, 0) >= PATH_MIN_OBS:
+            path = self._path[replica_id]
+        else:  # too few samples of its own: the fleet's (replicas with enough samples, else all observed)
+            settled = [v for r, v in self._path.items() if self._path_n.get(r, 0) >= PATH_MIN_OBS]
+            pool = settled or list(self._path.values())
+            path = sum(pool) / len(pool) if pool else 0.0
         return line + path
 
     def tier_map(self, base: TierMap) -> TierMap:
@@ -347,3 +369,5 @@ class Calibrator:
     def forget_replica(self, replica_id: str) -> None:
         self._mfu.pop(replica_id, None)
         self._path.pop(replica_id, None)
+        self._path_n.pop(replica_id, None)
+        self._path_first.pop(replica_id, None)

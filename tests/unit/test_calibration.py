@@ -148,3 +148,23 @@ def test_a_replica_without_its_own_fit_is_priced_like_its_fleet() -> None:
     assert cal.fitted("old") and not cal.fitted("new")
     assert cal.hardware("new", hw) is cal.hardware("old", hw)
     assert cal.overhead_s("new") == pytest.approx(cal.overhead_s("old"))
+
+
+def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> None:
+    """A fresh engine's first requests carry one-off seconds outside its queue. A replica that served only those
+    (then was never chosen) keeps its fleet's path cost until it has ``PATH_MIN_OBS`` samples of its own, and then the
+    median of its first samples starts its EWMA, so one cold request does not price it for good (issue 13: 40 of 42
+    requests went to one replica of two)."""
+    from router.calibration import PATH_MIN_OBS
+
+    cal = Calibrator(bw_util=0.8)
+    for _ in range(20):
+        cal.observe_path("busy", 0.03)
+    cal.observe_path("idle", 1.5)  # its two warm-up requests, cold
+    cal.observe_path("idle", 0.9)
+    assert cal.overhead_s("idle") == pytest.approx(cal.overhead_s("busy"))
+    for _ in range(PATH_MIN_OBS - 2):
+        cal.observe_path("idle", 0.03)
+    assert cal.overhead_s("idle") == pytest.approx(0.03)  # the median of 1.5, 0.9, 0.03, 0.03, 0.03
+    cal.observe_path("idle", 30.0)  # a stall once settled: clipped to 4x the estimate before it counts
+    assert cal.overhead_s("idle") == pytest.approx(0.8 * 0.03 + 0.2 * 0.12)
