@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.lockfiles import reap_if_orphan
 from router.hub import CpuBinding, ReplicaPlacement
 
 MUTEX_DEADLINE_S = 10.0
@@ -122,18 +123,8 @@ def _holders(core_dir: Path) -> list[str]:
     """The live claims on one core (files whose lock is held); stale files (lock free) are removed."""
     live: list[str] = []
     for path in sorted(core_dir.glob("*.claim")):
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if reap_if_orphan(path)[0] == "held":  # else nobody held it (its owner died without releasing): removed
             live.append(path.read_text().strip() or path.stem)
-        else:  # nobody holds it: its owner died without releasing
-            path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
     return live
 
 

@@ -31,6 +31,8 @@ import logging
 import os
 from pathlib import Path
 
+from kvpool.lockfiles import reap_if_orphan
+
 SLAB_NAME = "kvpool.slab"
 log = logging.getLogger("kvpool.ssd")
 
@@ -45,23 +47,14 @@ def remove_orphan_slabs(parent: Path, keep: Path | None = None) -> list[Path]:
         if keep is not None and slab.parent == keep:
             continue
         try:
-            fd = os.open(slab, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live slab
-        try:
-            size = os.fstat(fd).st_size
-            slab.unlink()
-            removed.append(slab)
-            log.info("removed the orphan SSD slab %s (%d bytes): its shard is gone", slab, size)
+            fate, size = reap_if_orphan(slab)
         except OSError as exc:
             log.warning("could not remove the orphan SSD slab %s: %s", slab, exc)
-        finally:
-            os.close(fd)
+            continue
+        if fate != "removed":
+            continue  # a live slab, or already gone
+        removed.append(slab)
+        log.info("removed the orphan SSD slab %s (%d bytes): its shard is gone", slab, size)
         try:
             slab.parent.rmdir()
         except OSError:

@@ -184,8 +184,7 @@ class AccessGate:
                                "permission_error", code="invalid_api_key" if status == 401 else "forbidden")
             return JSONResponse(err.body(), status_code=status,
                                 headers={"WWW-Authenticate": "Bearer"} if status == 401 else None), None
-        if (self.max_queued_requests is not None and path in GENERATION_PATHS
-                and self.in_flight >= self.max_queued_requests):
+        if self.counts(path) and self.in_flight >= self.max_queued_requests:  # type: ignore[operator]
             self.rejected_busy += 1
             err = fmt.ApiError(429, f"this router holds {self.in_flight} unfinished requests "
                                     f"(app.ingress.max_queued_requests): retry after {RETRY_AFTER_S} s",
