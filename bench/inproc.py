@@ -163,19 +163,25 @@ def worker_connector(llm: Any) -> Any:
 
 
 def connector_stats(llm: Any, *, settle_s: float = 30.0) -> dict[str, Any]:
-    """Scheduler and worker counters of the in-process connector (plain dicts), read once the saves staged so far
-    are written (at most ``settle_s``: the saver works in the background)."""
+    """Scheduler and worker counters of the in-process connector (plain dicts), read once the pool calls started
+    so far (lookups, leases, releases) are done and the saves staged so far are written (at most ``settle_s`` each:
+    both work in the background)."""
     import dataclasses
 
     sched, worker = scheduler_connector(llm), worker_connector(llm)
     out: dict[str, Any] = {}
     if sched is not None:
+        sched.wait_idle(settle_s)
         out["scheduler"] = {k: v for k, v in dataclasses.asdict(sched.stats).items() if k != "history"}
         out["fingerprint"] = sched.fingerprint
         out["held_leases"] = sched.held_leases()
+        out["scheduler_breaker"] = dataclasses.asdict(sched.shards.breaker.stats)
     if worker is not None:
         worker.wait_saves(settle_s)
         out["worker"] = worker.stats_dict()
+        out["worker_breaker"] = dataclasses.asdict(worker.shards.breaker.stats)
+        if worker.saver_shards is not None:
+            out["saver_breaker"] = dataclasses.asdict(worker.saver_shards.breaker.stats)
     return out
 
 

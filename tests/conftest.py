@@ -13,5 +13,6 @@ def pytest_configure(config: pytest.Config) -> None:
         ("e2e", "real vLLM replicas (CPU build) and the OpenAI SDK"),
         ("slow", "takes more than ~30 s"),
         ("reuse_correctness", "token-identical KV reuse matrix (one test per cell)"),
+        ("faults", "fault suite: real Ray, real vLLM (CPU build), real pool shards, a real fault injected"),
     ]:
         config.addinivalue_line("markers", f"{marker}: {doc}")

@@ -120,6 +120,8 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
     # ------------------------------------------------------------------ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -3,8 +3,9 @@
 Who calls what: the connector's scheduler role (lookups, leases, releases) and worker role (transfer metadata,
 reserve / commit / abort of saves) each own one ``PoolShards``. Every call goes through ``kvpool.shard.client``
 (typed, versioned, deadline-bounded); ``lookup_many`` fans several lookups out in one round trip
-(``kvpool.shard.client.lookup_many``). A shard that does
-not answer is a miss on the read path (``ShardUnavailableError`` is caught by the callers), never a crash.
+(``kvpool.shard.client.lookup_many``). A shard that does not answer is a miss on the read path
+(``ShardUnavailableError`` is caught by the callers), never a crash, and is skipped for a while after
+(``kvpool.connector.breaker``).
 ``KnownPeers`` is the worker role's (and its saver's) record of which shards' transfer metadata an endpoint holds, and
 of which of them it reaches through shared memory (the shard on its own node, ``kvpool.transfer.shm``).
 The engine's processes are not Ray workers: ``ensure_ray`` joins the cluster as a driver and stops the driver's
@@ -14,11 +15,14 @@ GCS error poller (``stop_driver_error_listener``), which otherwise takes CPU fro
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.connector.breaker import ShardBreaker
 from kvpool.connector.config import ConnectorConfig, ShardRef
+from kvpool.deadline import GCS_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
@@ -96,38 +100,80 @@ class KnownPeers:
             self._same_host.close()
 
 
+class GuardedClient:
+    """A ``ShardClient`` whose blocking calls report to the ``PoolShards``' breaker: a shard that did not answer or
+    is dead counts as a failure (and its handle is dropped), any answer as a success. Other attributes (``handle``,
+    ``send_lookup``, ``release_nowait``) are the client's own."""
+
+    _GUARDED = frozenset({"info", "transfer_metadata", "shm_metadata", "lookup", "lease", "release", "reserve",
+                          "commit", "abort", "stats", "entry_info", "demote"})
+
+    def __init__(self, client: Any, shards: PoolShards) -> None:
+        self._client, self._shards = client, shards
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name not in self._GUARDED:
+            return attr
+        from kvpool.shard.wire import ShardUnavailableError
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = attr(*args, **kwargs)
+            except ShardUnavailableError:  # ShardDeadError too: no answer in time, or no actor
+                self._shards.forget(self._client.shard_id)
+                raise
+            self._shards.breaker.success(self._client.shard_id)
+            return out
+
+        return guarded
+
+
 class PoolShards:
-    def __init__(self, cfg: ConnectorConfig) -> None:
+    """The shards one connector role talks to. Thread-safe (the scheduler role calls from its pool-call threads).
+
+    Every shard call passes the breaker (``kvpool.connector.breaker``): a shard that failed is skipped (a miss, at
+    once) until its backoff has passed, then probed. Every GCS look-up (discovery, an actor by name) has a deadline
+    (``kvpool.shard.registry``). ``local_shard_id(wait=False)`` never waits: it answers from what is known and
+    resolves the rest on a background thread (the worker's forward path and the scheduler's step call it)."""
+
+    def __init__(self, cfg: ConnectorConfig, breaker: ShardBreaker | None = None) -> None:
         self._cfg = cfg
+        self.breaker = breaker if breaker is not None else ShardBreaker()
+        self._lock = threading.RLock()
         self._refs: dict[str, ShardRef] = {s.shard_id: s for s in cfg.shards}
         self._discover = not cfg.shards
         self._discovered_at = -REDISCOVER_S
         self._clients: dict[str, Any] = {}
         self._local: str | None = None
         self._local_resolved = False
+        self._resolving: threading.Thread | None = None
 
     @property
     def shard_ids(self) -> list[str]:
         self._maybe_discover()
-        return list(self._refs)
+        with self._lock:
+            return list(self._refs)
 
     def _maybe_discover(self, force: bool = False) -> None:
         """Refresh the shard list from the named actors of ``kvpool.shard.registry`` (discovery mode only)."""
         now = time.monotonic()
-        if not self._discover or (not force and self._refs and now - self._discovered_at < REDISCOVER_S):
-            return
-        if now - self._discovered_at < 1.0:
-            return
-        self._discovered_at = now
+        with self._lock:
+            if not self._discover or (not force and self._refs and now - self._discovered_at < REDISCOVER_S):
+                return
+            if now - self._discovered_at < 1.0:
+                return
+            self._discovered_at = now
         from kvpool.shard.registry import list_shards, shard_actor_name
 
         try:
             self.ensure_ray()
-            found = list_shards(self._cfg.ray_namespace)
+            found = list_shards(self._cfg.ray_namespace, GCS_DEADLINE_S)
         except Exception as exc:  # the GCS is busy or gone: keep what we have
             log.warning("kvpool connector: shard discovery failed: %s", exc)
             return
-        self._refs = {s.shard_id: ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in found}
+        with self._lock:
+            self._refs = {s.shard_id: ShardRef(s.shard_id, shard_actor_name(s.node_id), s.node_id) for s in found}
 
     def ensure_ray(self) -> None:
         """Connect this process to the Ray cluster (``ShardUnavailableError`` when there is none to join)."""
@@ -149,42 +195,65 @@ class PoolShards:
         stop_driver_error_listener()
 
     def client(self, shard_id: str) -> Any:
-        """``ShardClient`` of a shard (``ShardUnavailableError`` if its actor cannot be found)."""
+        """``GuardedClient`` of a shard; ``ShardUnavailableError`` if its breaker is open or its actor cannot be
+        found."""
         from kvpool.shard.client import ShardClient
+        from kvpool.shard.registry import get_named_actor
         from kvpool.shard.wire import ShardUnavailableError
 
-        client = self._clients.get(shard_id)
+        if not self.breaker.allow(shard_id):
+            raise ShardUnavailableError(f"shard {shard_id}: skipped (it failed recently; retried after a backoff)")
+        with self._lock:
+            client = self._clients.get(shard_id)
+            ref = self._refs.get(shard_id)
         if client is not None:
             return client
-        ref = self._refs.get(shard_id)
         if ref is None:
             self._maybe_discover(force=True)
-            ref = self._refs.get(shard_id)
+            with self._lock:
+                ref = self._refs.get(shard_id)
         if ref is None:
             raise ShardUnavailableError(f"unknown shard {shard_id!r}; configured: {self.shard_ids}")
         self.ensure_ray()
-        import ray
-
         try:
-            handle = ray.get_actor(ref.actor_name, namespace=self._cfg.ray_namespace)
+            handle = get_named_actor(ref.actor_name, self._cfg.ray_namespace, GCS_DEADLINE_S)
         except ValueError as exc:
+            self.breaker.failure(shard_id)
             raise ShardUnavailableError(f"shard {shard_id}: no actor named {ref.actor_name!r}: {exc}") from exc
-        client = ShardClient(handle, shard_id, deadline_s=self._cfg.lease_deadline_s)
-        self._clients[shard_id] = client
+        except ShardUnavailableError:
+            self.breaker.failure(shard_id)
+            raise
+        client = GuardedClient(ShardClient(handle, shard_id, deadline_s=self._cfg.lease_deadline_s), self)
+        with self._lock:
+            self._clients[shard_id] = client
         return client
 
     def forget(self, shard_id: str) -> None:
-        """Drop a cached handle (the actor died or restarted); the next call resolves the name again."""
-        self._clients.pop(shard_id, None)
+        """The shard failed (no answer, dead actor, a failed transfer): drop its cached handle (the next call
+        resolves the name again) and count the failure in its breaker."""
+        with self._lock:
+            self._clients.pop(shard_id, None)
+        self.breaker.failure(shard_id)
 
-    def local_shard_id(self) -> str | None:
-        """The shard that receives saves: ``local_shard`` or the shard on this process's Ray node."""
+    def local_shard_id(self, *, wait: bool = True) -> str | None:
+        """The shard that receives saves: ``local_shard`` or the shard on this process's Ray node. ``wait=False``:
+        answer from what is known now (None until resolved) and resolve on a background thread."""
         if self._cfg.local_shard:
             return self._cfg.local_shard
-        if self._local is not None and self._local in self._refs:
-            return self._local
-        if self._local_resolved and not self._discover:
-            return None
+        with self._lock:
+            if self._local is not None and self._local in self._refs:
+                return self._local
+            if self._local_resolved and not self._discover:
+                return None
+            if not wait:
+                if self._resolving is None or not self._resolving.is_alive():
+                    self._resolving = threading.Thread(target=self._resolve_local, name="kvpool-local-shard",
+                                                       daemon=True)
+                    self._resolving.start()
+                return self._local if self._local in self._refs else None
+        return self._resolve_local()
+
+    def _resolve_local(self) -> str | None:
         from kvpool.shard.wire import ShardUnavailableError
 
         try:
@@ -198,35 +267,39 @@ class PoolShards:
 
         node = self._cfg.node_id or ray.get_runtime_context().get_node_id()
         self._maybe_discover()
-        self._local = next((s.shard_id for s in self._refs.values() if s.node_id == node), None)
-        if self._local is None and not self._local_resolved:
-            log.warning("kvpool connector: no pool shard on this node (%s); saves are off until one appears", node)
-        self._local_resolved = True
-        return self._local
+        with self._lock:
+            local = next((s.shard_id for s in self._refs.values() if s.node_id == node), None)
+            if local is None and not self._local_resolved:
+                log.warning("kvpool connector: no pool shard on this node (%s); saves are off until one appears",
+                            node)
+            self._local, self._local_resolved = local, True
+        return local
 
     def lookup_many(
         self, calls: Sequence[tuple[str, Sequence[bytes]]], fingerprint: str, deadline_s: float
     ) -> list[Any]:
         """Run ``lookup(keys)`` on each ``(shard_id, keys)`` at once; the ``LookupResult`` of each, or None where the
-        shard failed or did not answer within ``deadline_s``."""
-        from kvpool.shard.client import ShardClient, lookup_many
+        shard failed, did not answer within ``deadline_s``, or is skipped by its breaker."""
+        from kvpool.shard.client import lookup_many
         from kvpool.shard.wire import LookupReply, ShardUnavailableError
 
-        clients: list[ShardClient | None] = []
+        clients: list[Any] = []
         for shard_id, _ in calls:
             try:
                 clients.append(self.client(shard_id))
             except ShardUnavailableError as exc:
-                log.warning("kvpool connector: lookup on %s skipped: %s", shard_id, exc)
+                log.debug("kvpool connector: lookup on %s skipped: %s", shard_id, exc)
                 clients.append(None)
-        sent = [(c, keys) for c, (_, keys) in zip(clients, calls, strict=True) if c is not None]
+        sent = [(c._client, keys) for c, (_, keys) in zip(clients, calls, strict=True) if c is not None]
         replies = iter(lookup_many(sent, fingerprint, deadline_s))
         out: list[Any] = []
         for (shard_id, _), c in zip(calls, clients, strict=True):
             reply = None if c is None else next(replies)
-            if isinstance(reply, Exception):  # a dead actor or a reply we cannot read: a miss, never data
-                log.warning("kvpool connector: lookup on %s failed: %s", shard_id, reply)
+            if c is not None and not isinstance(reply, LookupReply):  # no answer in time, a dead actor, a bad reply
+                log.warning("kvpool connector: lookup on %s failed: %s", shard_id, reply or "no answer in time")
                 self.forget(shard_id)
+            elif c is not None:
+                self.breaker.success(shard_id)
             out.append(reply.result if isinstance(reply, LookupReply) else None)
         return out
 

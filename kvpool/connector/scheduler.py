@@ -4,51 +4,86 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
 - ``set_xfer_handshake_metadata`` once at startup with the workers' ``KvPoolHandshake`` → the layout fingerprint
   used in every block key and pool call. Until then the pool is not consulted.
 - ``on_new_request(request)`` when a request arrives (we keep the ``Request`` for its tokens and salt).
-- ``get_num_new_matched_tokens(request, num_computed)`` possibly many times while the request waits: one parallel
-  lookup round trip over the shards (no lease, no state change anywhere: side-effect free), the router's planned
-  shard (``kv_transfer_params[PLAN_PARAM]``) first; nothing for a request flagged ``NO_LOAD_PARAM`` (the head of
-  a SPLIT, which the replica computes on purpose). Only full blocks of the
-  prompt, keyed by chained block keys (``kvpool.keys``) under ``Namespace(model_id, fingerprint, cache_salt)``.
-  Hybrids: the hit ends at the furthest boundary where the shard holds the full-attention blocks *and* the state
-  snapshot (``state_key``). Loads are asynchronous in vLLM's terms (``load_kv_async=True``): the request waits in
-  ``WAITING_FOR_REMOTE_KVS`` for one step while the worker pulls its blocks.
-- ``update_state_after_alloc(request, blocks, n)`` once vLLM allocated blocks for ``n`` external tokens: takes the
-  lease (pins the blocks on the shard) and queues a ``LoadSpec`` with the engine block ids.
-- ``build_connector_meta(scheduler_output)`` every step: hands the queued loads to the worker, releases the leases
-  of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids, the state
-  at a chunk end on a block boundary), to be written to the local shard after the forward.
+- ``get_num_new_matched_tokens(request, num_computed)`` possibly many times while the request waits. It never waits
+  on the pool: the lookup (one parallel round trip over the shards, no lease, side-effect free; the router's planned
+  shard ``kv_transfer_params[PLAN_PARAM]`` first) runs on the pool-call threads (``kvpool.connector.pool_calls``),
+  started when the request arrives; while it is in flight the answer is vLLM's "not yet" (``None``: the request is
+  skipped this step and asked again on the next). A finished lookup answers every later ask whose first block is at
+  or after the looked-up one (vLLM's own cache may have grown); one older than ``LOOKUP_REFRESH_S`` is refreshed in
+  the background while still answering. Nothing for a request flagged ``NO_LOAD_PARAM`` (the head of a SPLIT, which
+  the replica computes on purpose). Only full blocks of the prompt, keyed by chained block keys (``kvpool.keys``)
+  under ``Namespace(model_id, fingerprint, cache_salt)``. Hybrids: the hit ends at the furthest boundary where the
+  shard holds the full-attention blocks *and* the state snapshot (``state_key``). Loads are asynchronous in vLLM's
+  terms (``load_kv_async=True``): the request waits in ``WAITING_FOR_REMOTE_KVS`` while its lease is taken and the
+  worker pulls its blocks; the engine keeps stepping the others.
+- ``update_state_after_alloc(request, blocks, n)`` once vLLM allocated blocks for ``n`` external tokens: starts the
+  lease (pins the blocks on the shard) on a pool-call thread.
+- ``build_connector_meta(scheduler_output)`` every step: hands the worker a ``LoadSpec`` for every lease that has
+  come back (a failed lease: a spec without remote blocks — the worker reports it failed, vLLM recomputes), releases
+  the leases of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids,
+  the state at a chunk end on a block boundary), to be written to the local shard after the forward.
 - ``request_finished[_all_groups](request, ...)`` once per request (finished, aborted — also before it was ever
-  scheduled — or errored): releases its lease and hands back what its pool calls cost (``PoolRequestTiming`` in
-  the final output's ``kv_transfer_params``). Blocks are never held back (the saver copies what it writes).
-A shard that does not answer is a miss (lookup) or a failed load (lease) — recomputed, never a failed request.
+  scheduled — or errored): releases its leases (fire-and-forget) and hands back what its pool calls cost
+  (``PoolRequestTiming`` in the final output's ``kv_transfer_params``). A request aborted while its lease is in
+  flight still gets its (failed) ``LoadSpec`` — vLLM frees its blocks once the worker reports it — and the late
+  lease is released when it arrives. Blocks are never held back (the saver copies what it writes).
+A shard that does not answer is a miss (lookup) or a failed load (lease) — recomputed, never a failed request — and
+is skipped for a backoff period after (``kvpool.connector.breaker``).
 A request vLLM asks about again after its load failed completely (no preemption in between) is offered nothing:
 it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
 otherwise made the request re-load forever).
-Lookups and leases are blocking Ray calls with deadlines (``lookup_deadline_s``, ``lease_deadline_s``).
+Every pool call has a deadline (``lookup_deadline_s``, ``lease_deadline_s``); none runs on the scheduler's thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
 from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
-from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.connector.pool import PoolShards
+from kvpool.connector.pool_calls import PoolCalls
+from kvpool.connector.timing import PoolRequestTiming, to_params
+from kvpool.events import Tier
 from kvpool.keys import BlockKey, Namespace, chain_keys
 from kvpool.layout import KvLayout
-from kvpool.events import Tier
 
 log = logging.getLogger(__name__)
 
 PLAN_PARAM = "kvpool_shard"  # optional kv_transfer_params hint from the router: the shard to fetch from
 NO_LOAD_PARAM = "kvpool_no_load"  # kv_transfer_params flag: compute this request, load nothing (a SPLIT's head)
 RECENT_SAVES = 65536  # keys this engine already saved (skip re-saving them)
+LOOKUP_REFRESH_S = 1.0  # a finished lookup older than this is refreshed (in the background) when asked again
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A finished lookup: the pool holds blocks [start, end) on ``shard_id`` (end == start: nothing), of the
+    blocks [start, limit) asked for."""
+
+    shard_id: str
+    start: int
+    limit: int
+    end: int
+    at: float  # time.monotonic() when it finished
+    failures: int  # shards that did not answer
+    seconds: float
+
+    def answer(self, start: int, limit: int, hybrid: bool) -> int | None:
+        """One past the last pool block for an ask of [start, limit); None when this lookup cannot tell."""
+        if start < self.start:
+            return None
+        end = min(self.end, limit)
+        if hybrid and end != self.end:
+            return None  # the state is loaded at ``self.end`` exactly
+        return max(end, start)
 
 
 @dataclass
@@ -62,7 +97,18 @@ class _Match:
 class _Lease:
     shard_id: str
     lease_id: int
-    step: int  # scheduler step that took it
+    step: int  # scheduler step whose allocation asked for it
+
+
+@dataclass
+class _Leasing:
+    """A lease in flight on a pool-call thread, for blocks vLLM has allocated."""
+
+    match: _Match
+    block_ids: tuple[list[int], ...]
+    future: Future[tuple[Any, float]]
+    step: int
+    abandoned: bool = False  # the request finished meanwhile: release the lease when it arrives
 
 
 @dataclass
@@ -72,8 +118,11 @@ class _Req:
     leases: list[_Lease] = field(default_factory=list)
     save_from: int | None = None
     loaded_at: int | None = None  # request.num_preemptions when a load was last planned
-    lookups: int = 0  # pool round trips on the scheduler's thread for this request, and their seconds
+    lookup: Future[_Found] | None = None  # in flight
+    found: _Found | None = None  # the latest finished lookup
+    lookups: int = 0  # pool lookups for this request, their seconds (on the pool-call threads)
     lookup_s: float = 0.0
+    not_yet: int = 0  # asks answered "not yet" (the request was skipped that step)
     lease_s: float = 0.0
     loaded_tokens: int = 0
 
@@ -82,10 +131,13 @@ class _Req:
 class SchedulerStats:
     lookups: int = 0
     lookup_failures: int = 0
+    lookups_not_yet: int = 0  # asks answered "not yet" (a lookup in flight): that request skipped one step
     hit_tokens: int = 0
     leases_taken: int = 0
+    leases_failed: int = 0
     leases_short: int = 0
     leases_released: int = 0
+    leases_abandoned: int = 0  # arrived after their request finished: released at once
     release_failures: int = 0
     loads_planned: int = 0
     blocks_to_load: int = 0
@@ -111,9 +163,12 @@ class SchedulerSide:
         self.fingerprint: str | None = None
         self.layout: KvLayout | None = None
         self.shards = PoolShards(cfg)
+        self.calls = PoolCalls()
         self.stats = SchedulerStats()
+        self._stats_lock = threading.Lock()  # the counters the pool-call threads update (releases)
         self._reqs: dict[str, _Req] = {}
         self._matches: dict[str, _Match] = {}
+        self._leasing: dict[str, _Leasing] = {}
         self._pending_loads: list[LoadSpec] = []
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._kv_cache_manager: Any = None
@@ -126,7 +181,8 @@ class SchedulerSide:
         self._kv_cache_manager = manager
 
     def set_handshake(self, metas: dict[Any, Any]) -> None:
-        """Adopt the workers' layout; every rank must report the same one."""
+        """Adopt the workers' layout; every rank must report the same one. Joins the Ray cluster here, once, on
+        the engine's own thread (never later on a pool-call thread)."""
         layouts = {m.layout for m in metas.values() if isinstance(m, KvPoolHandshake)}
         if not layouts:
             log.warning("kvpool connector: no worker reported a layout; the pool stays off")
@@ -137,6 +193,13 @@ class SchedulerSide:
         self.fingerprint = self.layout.fingerprint
         log.info("kvpool connector: layout %s (%s), model id %s", self.fingerprint, self.layout.model_id,
                  self.model_id)
+        from kvpool.shard.wire import ShardUnavailableError
+
+        try:
+            self.shards.ensure_ray()
+        except ShardUnavailableError as exc:
+            log.warning("kvpool connector: %s; every lookup is a miss", exc)
+        self.shards.local_shard_id(wait=False)  # resolved in the background before the first save
 
     @property
     def ready(self) -> bool:
@@ -144,13 +207,25 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ requests
     def on_new_request(self, request: Any) -> None:
-        self._reqs.setdefault(request.request_id, _Req(request))
+        """Start the request's lookup now, from its first block: by the time vLLM first asks, it has mostly come
+        back."""
+        r = self._track(request)
+        if self._wants_pool(request):
+            limit = self._limit(request, r)
+            if limit > 0:
+                self._submit_lookup(r, request, 0, limit)
 
     def _track(self, request: Any) -> _Req:
         r = self._reqs.get(request.request_id)
         if r is None:
             r = self._reqs[request.request_id] = _Req(request)
         return r
+
+    def _wants_pool(self, request: Any) -> bool:
+        if not self.ready or request.prompt_token_ids is None:
+            return False
+        params = getattr(request, "kv_transfer_params", None)
+        return not (isinstance(params, dict) and params.get(NO_LOAD_PARAM))
 
     def _keys(self, r: _Req) -> list[BlockKey]:
         if r.keys is None:
@@ -160,23 +235,12 @@ class SchedulerSide:
             r.keys = chain_keys(ns.root(), tokens, self.block_size)
         return r.keys
 
-    def _candidates(self, request: Any) -> list[str]:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        hinted = params.get(PLAN_PARAM) if isinstance(params, dict) else None
-        local = self.shards.local_shard_id()
-        order: list[str] = []
-        for sid in (hinted, local):
-            if sid and sid in self.shards.shard_ids and sid not in order:
-                order.append(sid)
-        if self.cfg.lookup_remote or not order:
-            order += [s for s in self.shards.shard_ids if s not in order]
-        return order
+    def _limit(self, request: Any, r: _Req) -> int:
+        """Blocks the pool may supply: full prompt blocks, leaving at least one token to compute."""
+        return min((request.num_tokens - 1) // self.block_size, len(self._keys(r)))
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.ready or request.prompt_token_ids is None:
-            return 0, False
-        params = getattr(request, "kv_transfer_params", None)
-        if isinstance(params, dict) and params.get(NO_LOAD_PARAM):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._wants_pool(request):
             return 0, False
         r = self._track(request)
         if r.loaded_at == request.num_preemptions:
@@ -184,55 +248,116 @@ class SchedulerSide:
             # nothing this time (recompute) rather than promise blocks that may fail the same way forever.
             self.stats.retries_refused += 1
             return 0, False
-        keys = self._keys(r)
         bs = self.block_size
-        limit = min((request.num_tokens - 1) // bs, len(keys))  # leave at least one token to compute
+        limit = self._limit(request, r)
         start = num_computed_tokens // bs
         if limit <= start:
             return 0, False
-        assert self.fingerprint is not None
-        shards = self._candidates(request)
-        self.stats.lookups += 1
-        t0 = time.perf_counter()
-        try:
-            return self._match(request, shards, keys, start, limit, num_computed_tokens)
-        finally:
-            r.lookups += 1
-            r.lookup_s += time.perf_counter() - t0
+        self._harvest(r)
+        end = r.found.answer(start, limit, self.plan.hybrid) if r.found is not None else None
+        if end is None:
+            if r.lookup is None:
+                self._submit_lookup(r, request, start, limit)
+            r.not_yet += 1
+            self.stats.lookups_not_yet += 1
+            return None, False
+        assert r.found is not None
+        if r.lookup is None and time.monotonic() - r.found.at > LOOKUP_REFRESH_S:
+            self._submit_lookup(r, request, start, limit)  # answer now, know better next time
+        if end <= start:
+            self._matches.pop(request.request_id, None)
+            return 0, False
+        self._matches[request.request_id] = _Match(r.found.shard_id, start, end)
+        return end * bs - num_computed_tokens, True
 
-    def _match(self, request: Any, shards: list[str], keys: list[BlockKey], start: int, limit: int,
-               num_computed_tokens: int) -> tuple[int, bool]:
-        """One parallel lookup over ``shards`` for blocks [start, limit): remember the best match."""
+    def _submit_lookup(self, r: _Req, request: Any, start: int, limit: int) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        hinted = params.get(PLAN_PARAM) if isinstance(params, dict) else None
+        keys = list(self._keys(r)[start:limit])
+        self.stats.lookups += 1
+        r.lookups += 1
+        r.lookup = self.calls.submit(self._lookup, hinted, keys, start, limit)
+
+    def _harvest(self, r: _Req) -> None:
+        """Take a finished lookup's result (on the scheduler's thread: the stats are only written here)."""
+        fut = r.lookup
+        if fut is None or not fut.done():
+            return
+        r.lookup = None
+        try:
+            found = fut.result()
+        except Exception as exc:  # noqa: BLE001 - a bug in a lookup is a miss, never a failed request
+            log.warning("kvpool connector: lookup failed: %s", exc)
+            return
+        r.found = found
+        r.lookup_s += found.seconds
+        self.stats.lookup_failures += found.failures
+
+    # ---------------------------------------------------------- pool-call threads (never the scheduler's)
+    def _candidates(self, hinted: str | None) -> list[str]:
+        ids = self.shards.shard_ids
+        local = self.shards.local_shard_id()
+        order: list[str] = []
+        for sid in (hinted, local):
+            if sid and sid in ids and sid not in order:
+                order.append(sid)
+        if self.cfg.lookup_remote or not order:
+            order += [s for s in ids if s not in order]
+        return order
+
+    def _lookup(self, hinted: str | None, keys: list[BlockKey], start: int, limit: int) -> _Found:
+        """One parallel lookup of ``keys`` (blocks [start, limit)) over the candidate shards: the best match."""
         assert self.fingerprint is not None
-        bs = self.block_size
-        results = self.shards.lookup_many([(s, keys[start:limit]) for s in shards], self.fingerprint,
-                                          self.cfg.lookup_deadline_s)
-        best_shard, best = "", 0
+        t0 = time.perf_counter()
+        shards = self._candidates(hinted)
+        results = self.shards.lookup_many([(s, keys) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s)
+        best_shard, best, failures = "", 0, 0
         for sid, res in zip(shards, results, strict=True):
             if res is None:
-                self.stats.lookup_failures += 1
+                failures += 1
             elif res.prefix > best:
                 best_shard, best = sid, res.prefix
         end = start + best
         if best and self.plan.hybrid:
             end = self._state_boundary(best_shard, keys, start, end)
-        if end <= start:
-            self._matches.pop(request.request_id, None)
-            return 0, False
-        self._matches[request.request_id] = _Match(best_shard, start, end)
-        return end * bs - num_computed_tokens, True
+        return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0)
 
     def _state_boundary(self, shard_id: str, keys: list[BlockKey], start: int, end: int) -> int:
-        """Furthest boundary in (start, end] whose state snapshot the shard holds; ``start`` if none."""
+        """Furthest boundary in (start, end] whose state snapshot the shard holds; ``start`` if none. ``keys``
+        begin at block ``start``."""
         assert self.fingerprint is not None
         boundaries = list(range(end, start, -1))
-        res = self.shards.lookup_many([(shard_id, [state_key(keys[k - 1])]) for k in boundaries], self.fingerprint,
-                                      self.cfg.lookup_deadline_s)
+        res = self.shards.lookup_many([(shard_id, [state_key(keys[k - 1 - start])]) for k in boundaries],
+                                      self.fingerprint, self.cfg.lookup_deadline_s)
         for k, r in zip(boundaries, res, strict=True):
             if r is not None and r.prefix == 1:
                 return k
         return start
 
+    def _lease(self, shard_id: str, keys: list[bytes]) -> tuple[Any, float]:
+        """(the ``LeaseReply``, or None when the shard failed; seconds the call took)."""
+        t0 = time.perf_counter()
+        try:
+            reply = self.shards.client(shard_id).lease(keys, self.fingerprint, self.cfg.lease_ttl_s)
+        except Exception as exc:  # ShardUnavailableError, a dead actor, a bad reply: the load fails, vLLM recomputes
+            log.warning("kvpool connector: lease on %s failed: %s", shard_id, exc)
+            reply = None
+        return reply, time.perf_counter() - t0
+
+    def _release_call(self, rid: str, lease: _Lease, why: str) -> None:
+        try:
+            self.shards.client(lease.shard_id).release(lease.lease_id)
+        except Exception as exc:  # the lease expires on its own (ttl); never fail a request over a release
+            with self._stats_lock:
+                self.stats.release_failures += 1
+            log.warning("kvpool connector: release of lease %s on %s failed: %s", lease.lease_id, lease.shard_id,
+                        exc)
+            return
+        with self._stats_lock:
+            self.stats.leases_released += 1
+            self.stats.note(f"release {rid} {lease.shard_id} {lease.lease_id} {why}")
+
+    # ------------------------------------------------------------------ allocation
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0:
@@ -240,38 +365,51 @@ class SchedulerSide:
         r = self._track(request)
         r.loaded_at = request.num_preemptions
         bs = self.block_size
-        block_ids = blocks.get_block_ids()
         keys = self._keys(r)
         if match is None or (match.end - match.start) * bs != num_external_tokens:
             # vLLM trimmed the hit (or we lost the match): we cannot vouch for these tokens → fail the whole load,
             # vLLM recomputes the request from scratch.
             log.warning("kvpool connector: %s: unexpected external token count %d (match %s)",
                         request.request_id, num_external_tokens, match)
-            self._pending_loads.append(LoadSpec(request.request_id, "", "", "", -1, [], None, True))
+            self._pending_loads.append(_failed_spec(request.request_id))
             return
         lease_keys: list[bytes] = list(keys[match.start : match.end])
         if self.plan.hybrid:
             lease_keys.append(state_key(keys[match.end - 1]))
-        reply = None
-        t0 = time.perf_counter()
-        try:
-            reply = self.shards.client(match.shard_id).lease(lease_keys, self.fingerprint, self.cfg.lease_ttl_s)
-        except Exception as exc:  # ShardUnavailableError, a dead actor, a bad reply: the load fails, vLLM recomputes
-            log.warning("kvpool connector: lease on %s failed: %s", match.shard_id, exc)
-            self.shards.forget(match.shard_id)
-        lease_s = time.perf_counter() - t0
-        r.lease_s += lease_s
-        leased = list(reply.lease.blocks) if reply is not None else []
-        r.loaded_tokens += len(leased[: match.end - match.start]) * bs
-        if reply is not None and reply.lease.lease_id:
-            r.leases.append(_Lease(match.shard_id, reply.lease.lease_id, self._step))
-            self.stats.leases_taken += 1
-            self.stats.note(f"lease {request.request_id} {match.shard_id} {reply.lease.lease_id}")
-        if len(leased) < len(lease_keys):
-            self.stats.leases_short += 1
-            if self.plan.hybrid and reply is not None and reply.lease.lease_id:
-                self._release(request.request_id, "short", only=reply.lease.lease_id)  # useless without the state
-        self._queue_load(request.request_id, match.shard_id, reply, match.start, match.end, block_ids, leased, lease_s)
+        fut = self.calls.submit(self._lease, match.shard_id, lease_keys)
+        self._leasing[request.request_id] = _Leasing(match, blocks.get_block_ids(), fut, self._step)
+
+    def _apply_leases(self) -> None:
+        """Turn every lease that came back into the worker's ``LoadSpec`` (or release it: its request is gone)."""
+        for rid, p in list(self._leasing.items()):
+            if not p.future.done():
+                continue
+            del self._leasing[rid]
+            reply, lease_s = p.future.result()  # _lease never raises
+            lease_id = reply.lease.lease_id if reply is not None else 0
+            r = self._reqs.get(rid)
+            if p.abandoned or r is None:
+                if lease_id:
+                    self.stats.leases_abandoned += 1
+                    self.calls.submit(self._release_call, rid, _Lease(p.match.shard_id, lease_id, p.step),
+                                      "abandoned")
+                continue
+            match = p.match
+            leased = list(reply.lease.blocks) if reply is not None else []
+            n = match.end - match.start
+            r.lease_s += lease_s
+            r.loaded_tokens += len(leased[:n]) * self.block_size
+            if reply is None:
+                self.stats.leases_failed += 1
+            if lease_id:
+                r.leases.append(_Lease(match.shard_id, lease_id, p.step))
+                self.stats.leases_taken += 1
+                self.stats.note(f"lease {rid} {match.shard_id} {lease_id}")
+            if len(leased) < n + int(self.plan.hybrid):
+                self.stats.leases_short += 1
+                if self.plan.hybrid and lease_id:
+                    self._release(rid, "short", only=lease_id)  # useless without the state
+            self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
                     block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float) -> None:
@@ -303,18 +441,21 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, so: Any) -> KvPoolMetadata:
-        # A request preempted in this step may have been re-admitted (and leased again) in the same schedule()
-        # call: release only the leases of earlier steps.
+        self._apply_leases()
+        # A request preempted in this step may have been re-admitted (and its lease started) in the same
+        # schedule() call: release only the leases of earlier steps.
         for rid in so.preempted_req_ids or ():
             r = self._reqs.get(rid)
             if r is not None:
                 if any(lease.step < self._step for lease in r.leases):
                     self.stats.preempted_releases += 1
                     self._release(rid, "preempted", before_step=self._step)
-                if not any(lease.step == self._step for lease in r.leases):
+                p = self._leasing.get(rid)
+                if not any(lease.step == self._step for lease in r.leases) and (p is None or p.step != self._step):
                     r.save_from = None
         saves: list[SaveSpec] = []
-        if self.cfg.save and self.plan.usable and self.fingerprint is not None and self.shards.local_shard_id():
+        if (self.cfg.save and self.plan.usable and self.fingerprint is not None
+                and self.shards.local_shard_id(wait=False)):
             for new in so.scheduled_new_reqs:
                 self._plan_save(new.req_id, new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0),
                                 True, saves)
@@ -326,7 +467,6 @@ class SchedulerSide:
         self._pending_loads = []
         self._step += 1
         return meta
-
     def _plan_save(self, rid: str, computed: int, scheduled: int, first: bool, out: list[SaveSpec]) -> None:
         r = self._reqs.get(rid)
         if r is None or scheduled <= 0 or r.request.prompt_token_ids is None or self._kv_cache_manager is None:
@@ -375,17 +515,24 @@ class SchedulerSide:
         """Release the request's leases; its blocks are freed at once (saves copy what they need). Returns, for
         the final output's ``kv_transfer_params``, what the pool calls cost it (``PoolRequestTiming``)."""
         rid = request.request_id
+        p = self._leasing.get(rid)
+        if p is not None and not p.abandoned:
+            # vLLM frees a request waiting for its KV only once the worker reports the load: hand over a failed
+            # load now; the lease itself is released when it comes back (``_apply_leases``).
+            p.abandoned = True
+            self._pending_loads.append(_failed_spec(rid))
         self._release(rid, "finished")
         r = self._reqs.pop(rid, None)
         self._matches.pop(rid, None)
         if r is None or not r.lookups:
             return False, None
         timing = PoolRequestTiming(lookups=r.lookups, lookup_s=r.lookup_s, lease_s=r.lease_s,
-                                   loaded_tokens=r.loaded_tokens)
+                                   loaded_tokens=r.loaded_tokens, not_yet=r.not_yet)
         return False, to_params(timing)
 
     def _release(self, rid: str, why: str, *, before_step: int | None = None, only: int | None = None) -> None:
-        """Release the request's leases (all, those taken before ``before_step``, or the one ``only``)."""
+        """Release the request's leases (all, those taken before ``before_step``, or the one ``only``), on the
+        pool-call threads."""
         r = self._reqs.get(rid)
         if r is None:
             return
@@ -394,16 +541,22 @@ class SchedulerSide:
             if (before_step is not None and lease.step >= before_step) or (only is not None and lease.lease_id != only):
                 keep.append(lease)
                 continue
-            try:
-                self.shards.client(lease.shard_id).release(lease.lease_id)
-                self.stats.leases_released += 1
-                self.stats.note(f"release {rid} {lease.shard_id} {lease.lease_id} {why}")
-            except Exception as exc:  # the lease expires on its own (ttl); never fail a request over a release
-                self.stats.release_failures += 1
-                log.warning("kvpool connector: release of lease %s on %s failed: %s", lease.lease_id,
-                            lease.shard_id, exc)
+            self.calls.submit(self._release_call, rid, lease, why)
         r.leases = keep
 
     def held_leases(self) -> dict[str, list[tuple[str, int]]]:
         """Request id → [(shard, lease id)] currently held (tests, debugging)."""
         return {rid: [(x.shard_id, x.lease_id) for x in r.leases] for rid, r in self._reqs.items() if r.leases}
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every pool call started so far has finished (tests and benches read the counters
+        after it)."""
+        return self.calls.wait_idle(timeout_s)
+
+    def shutdown(self) -> None:
+        self.calls.close()
+
+
+def _failed_spec(req_id: str) -> LoadSpec:
+    """A load the worker reports failed at once (nothing leased): vLLM recomputes the request."""
+    return LoadSpec(req_id, "", "", "", -1, [], None, True)

@@ -1,4 +1,4 @@
-"""What the pool calls on vLLM's scheduler thread cost one request: the connector's report to the replica.
+"""What the pool calls cost one request: the connector's report to the replica.
 
 Who calls what: the connector's scheduler role (``kvpool.connector.scheduler.SchedulerSide.request_finished``) returns
 it, as builtins under ``TIMING_PARAM``, in the finished request's ``kv_transfer_params`` — vLLM's own channel from
@@ -18,13 +18,15 @@ TIMING_PARAM = "kvpool_timing"  # key of PoolRequestTiming in a finished request
 
 
 class PoolRequestTiming(msgspec.Struct, frozen=True, kw_only=True):
-    """One request's pool calls on the scheduler's thread: lookups (each one parallel round trip over the shards)
-    and its lease, in seconds; the tokens it loaded from the pool."""
+    """One request's pool calls (on the connector's pool-call threads, never vLLM's scheduler thread): lookups (each
+    one parallel round trip over the shards) and its lease, in seconds; the tokens it loaded from the pool;
+    ``not_yet``: the scheduler steps it was skipped because its lookup was still in flight."""
 
     lookups: int = 0
     lookup_s: float = 0.0
     lease_s: float = 0.0
     loaded_tokens: int = 0
+    not_yet: int = 0
     version: int = TIMING_VERSION
 
 

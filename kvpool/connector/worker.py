@@ -8,20 +8,24 @@ vLLM's model runner (one per worker process; in-process engines: the engine-core
   every KV storage with a transfer endpoint (``kvpool.transfer``), so bytes move straight between the shard's
   arena and the KV cache blocks.
 - ``get_handshake_metadata()`` right after: the layout, for the scheduler role.
-- ``start_load_kv`` every step (after the forward for asynchronous loads): for each ``LoadSpec`` one transfer read
-  from the owning shard straight into the cache blocks, then a checksum check per pool slot. A block that fails
-  (peer dead, deadline, checksum, not leased) is a load error: ``get_block_ids_with_load_errors`` (dense) or the
-  whole request in ``failed_recving`` (hybrids, where vLLM cannot take block-level errors); vLLM recomputes.
+- ``start_load_kv`` every step (after the forward for asynchronous loads): queues the step's ``LoadSpec``s with the
+  background loader (``kvpool.connector.loader``) and returns. On its thread: one transfer read per shard for all
+  queued loads, straight into the cache blocks, then a checksum check per pool slot. A block that fails (peer dead,
+  deadline, checksum, not leased, its shard's breaker open) is a load error: ``get_block_ids_with_load_errors``
+  (dense) or the whole request in ``failed_recving`` (hybrids, where vLLM cannot take block-level errors); vLLM
+  recomputes.
 - ``wait_for_save`` every step after the forward: copies the blocks to save into the background saver's staging
   slots and returns (``kvpool.connector.saver``: its thread reserves on the local shard, writes, and commits with
   the checksums, which the shard verifies). A failed or dropped save is a future miss, never an error or a wait.
-- ``get_transfer_results`` every step: the requests whose load finished this step (failed ones included).
+- ``get_transfer_results`` every step: the requests whose load finished since the last step (failed ones included),
+  with their failed block ids taken at the same moment (for ``get_block_ids_with_load_errors`` right after).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -33,6 +37,7 @@ import numpy as np
 
 from kvpool.checksum import slot_checksum
 from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.loader import BlockLoader
 from kvpool.connector.layout import (
     GroupSpans,
     PoolGeometry,
@@ -60,6 +65,7 @@ class WorkerStats:
 
     loads: int = 0
     load_failures: int = 0
+    loads_skipped: int = 0  # failed at once: their shard's breaker was open (it failed recently)
     blocks_loaded: int = 0
     blocks_failed: int = 0
     checksum_failures: int = 0
@@ -111,6 +117,7 @@ class WorkerSide:
         self.endpoint: TransferEndpoint | None = None
         self.agent_name = f"kvpool-engine-{uuid.uuid4().hex[:12]}"
         self.shards = PoolShards(cfg)
+        self.saver_shards: PoolShards | None = None
         self.stats = WorkerStats()
         self._arrays: list[np.ndarray] = []  # uint8 views of the KV storages (kept alive while registered)
         self._regions: list[int] = []  # endpoint region id per storage index
@@ -118,7 +125,10 @@ class WorkerSide:
         self.peers: KnownPeers | None = None  # the shards whose transfer metadata ``endpoint`` holds
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
-        self._invalid_blocks: set[int] = set()
+        self._invalid_blocks: set[int] = set()  # of loads posted but not yet reported
+        self._harvested_invalid: set[int] = set()  # of loads the last transfer_results reported
+        self._results_lock = threading.Lock()  # the loader thread posts, the model runner's thread takes
+        self.loader: BlockLoader | None = None
         self._records: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS)
         self._meta: KvPoolMetadata | None = None
 
@@ -145,7 +155,8 @@ class WorkerSide:
             self._arrays.append(arr)
             self._regions.append(self.peers.register(memoryview(arr)))
         if self.cfg.save:
-            saver_shards = PoolShards(self.cfg)  # its own clients: the saver's thread shares nothing with loads
+            # its own clients (and breaker): the saver's thread shares nothing with the loads
+            self.saver_shards = saver_shards = PoolShards(self.cfg)
             name = f"{self.agent_name}-saver"
             peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name))
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
@@ -181,98 +192,152 @@ class WorkerSide:
         self._meta = None
 
     def start_load_kv(self) -> None:
+        """Hand this step's loads to the background loader (``kvpool.connector.loader``) and return: the reads and
+        checksums run on its thread; ``transfer_results`` reports each request once its load is done."""
         meta = self._meta
-        if meta is None:
+        if meta is None or not meta.loads:
             return
-        for spec in meta.loads:
-            self._load(spec)
-            self._finished_recving.add(spec.req_id)
+        if self.loader is None:
+            self.loader = BlockLoader(self._load_batch, name=f"{self.agent_name}-loader")
+        self.loader.submit(list(meta.loads))
+
+    def wait_loads(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every load handed over so far has run (tests, fault injection)."""
+        return self.loader is None or self.loader.wait_idle(timeout_s)
 
     def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
         """Trust the shard's current transfer metadata (refetched when the shard restarted); the own node's shard
         also through shared memory when it exports its arena."""
         assert self.peers is not None
-        same_node = shard_id == self.shards.local_shard_id()
+        same_node = shard_id == self.shards.local_shard_id(wait=False)
         self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id).transfer_metadata(),
                           (lambda: self.shards.client(shard_id).shm_metadata()) if same_node else None)
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _items(self, spec: LoadSpec) -> list[tuple[LoadBlock, list[GroupSpans]]]:
         geo = self.geometry
-        self.stats.loads += 1
-        items: list[tuple[LoadBlock, list[GroupSpans]]] = []
-        if geo is not None:
-            items = [(b, geo.block_groups) for b in spec.blocks]
-            if spec.state is not None:
-                items.append((spec.state, geo.state_groups))
-        failed: set[int] = set()
-        moved, read_s = 0, 0.0
-        if geo is None or self.endpoint is None or not spec.shard_id:
-            failed = set(range(len(items))) or {-1}
-        else:
-            failed, moved, read_s = self._read_and_verify(spec, items, geo)
-        if not failed:
-            self.stats.blocks_loaded += len(items)
-            if moved:
-                self._records.append(TransferRecord(spec.shard_id, len(items), moved, spec.lease_s, read_s,
-                                                    spec.ssd_blocks))
-            return
-        self.stats.load_failures += 1
-        self.stats.blocks_failed += len(failed)
-        log.warning("kvpool connector: load of %s from %s: %d of %d slot(s) failed; vLLM recomputes them",
-                    spec.req_id, spec.shard_id or "?", len(failed), len(items))
-        if spec.all_or_nothing:
-            self._failed_recving.add(spec.req_id)
-            return
-        for idx in failed:
-            if 0 <= idx < len(items):
-                self._invalid_blocks.update(items[idx][0].block_ids.values())
+        if geo is None:
+            return []
+        items = [(b, geo.block_groups) for b in spec.blocks]
+        if spec.state is not None:
+            items.append((spec.state, geo.state_groups))
+        return items
 
-    def _read_and_verify(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]],
-                         geo: PoolGeometry) -> tuple[set[int], int, float]:
-        """(indexes of the items that failed, bytes read, seconds the read took)."""
-        assert self.endpoint is not None
-        failed: set[int] = set()
-        moved, read_s = 0, 0.0
-        ops: list[BlockOp] = []
-        owner: list[int] = []
-        for idx, (blk, groups) in enumerate(items):
-            if blk.remote is None:
-                failed.add(idx)
-                continue
-            off = blk.remote.offset
-            for region, loff, length in geo.pieces(groups, blk.block_ids):
-                ops.append(BlockOp(spec.region_id, off, self._regions[region], loff, length))
-                owner.append(idx)
-                off += length
-            if off - blk.remote.offset > blk.remote.length:
-                failed.add(idx)  # the shard's slot is smaller than our block: never data
-        if ops:
+    def _load_batch(self, specs: list[LoadSpec]) -> None:
+        """The loader thread: every spec of the batch, one transfer read per shard (loads from one shard overlap in
+        one transfer). Every spec gets its outcome posted, whatever happens."""
+        groups: dict[tuple[str, str, str, int], list[LoadSpec]] = {}
+        for spec in specs:
+            groups.setdefault((spec.shard_id, spec.agent_name, spec.shard_epoch, spec.region_id), []).append(spec)
+        for group in groups.values():
+            posted: set[int] = set()
             try:
-                self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
-                assert self.peers is not None
-                endpoint = self.peers.endpoint_for(spec.agent_name)
-                t0 = time.perf_counter()
-                result = endpoint.read(spec.agent_name, ops, self.cfg.transfer_deadline_s)
-                read_s = time.perf_counter() - t0
-                moved = result.bytes_moved
-                self.stats.read_seconds += read_s
-                self.stats.bytes_read += moved
-                if endpoint.backend == "shm":
-                    self.stats.bytes_read_shm += moved
-                failed.update(owner[i] for i in result.failed)
-            except Exception as exc:  # peer metadata unavailable, shard dead: every block of this load failed
-                log.warning("kvpool connector: read from %s failed: %s", spec.shard_id, exc)
-                if self.peers is not None:
-                    self.peers.forget(spec.agent_name)
-                self.shards.forget(spec.shard_id)
-                return set(range(len(items))), 0, 0.0
+                self._load_group(group, posted)
+            except Exception as exc:  # noqa: BLE001 - a bug is a failed load (recomputed), never a hung request
+                log.exception("kvpool connector: load from %s failed: %s", group[0].shard_id or "?", exc)
+            for i, spec in enumerate(group):
+                if i not in posted:
+                    items = self._items(spec)
+                    self._post(spec, items, set(range(len(items))) or {-1}, 0, 0.0)
+
+    def _load_group(self, group: list[LoadSpec], posted: set[int]) -> None:
+        """Loads of one shard (same agent, epoch and region): one read for all of their slots, then the checksums."""
+        geo = self.geometry
+        head = group[0]
+        items = [self._items(spec) for spec in group]
+        failed: list[set[int]] = [set() for _ in group]
+        if geo is None or self.endpoint is None or not head.shard_id:
+            failed = [set(range(len(it))) or {-1} for it in items]
+        elif not self.shards.breaker.allow(head.shard_id):  # it failed recently: a miss at once, no deadline
+            self.stats.loads_skipped += len(group)
+            failed = [set(range(len(it))) or {-1} for it in items]
+        moved, read_s = 0, 0.0
+        if geo is not None and self.endpoint is not None and head.shard_id and not any(failed):
+            moved, read_s = self._read(group, items, failed, geo)
+            for k, (spec, its) in enumerate(zip(group, items, strict=True)):
+                self._verify(its, failed[k], geo)
+        ok_blocks = sum(len(its) for its, f in zip(items, failed, strict=True) if not f)
+        if moved and ok_blocks:
+            self._records.append(TransferRecord(head.shard_id, ok_blocks, moved, max(s.lease_s for s in group),
+                                                read_s, sum(s.ssd_blocks for s in group)))
+        for k, spec in enumerate(group):
+            self._post(spec, items[k], failed[k], moved, read_s)
+            posted.add(k)
+
+    def _read(self, group: list[LoadSpec], items: list[list[tuple[LoadBlock, list[GroupSpans]]]],
+              failed: list[set[int]], geo: PoolGeometry) -> tuple[int, float]:
+        """One transfer read of every leased slot of ``group`` (marks the slots that failed); (bytes, seconds)."""
+        assert self.endpoint is not None
+        head = group[0]
+        ops: list[BlockOp] = []
+        owner: list[tuple[int, int]] = []
+        for k, its in enumerate(items):
+            for idx, (blk, groups) in enumerate(its):
+                if blk.remote is None:
+                    failed[k].add(idx)
+                    continue
+                off = blk.remote.offset
+                for region, loff, length in geo.pieces(groups, blk.block_ids):
+                    ops.append(BlockOp(head.region_id, off, self._regions[region], loff, length))
+                    owner.append((k, idx))
+                    off += length
+                if off - blk.remote.offset > blk.remote.length:
+                    failed[k].add(idx)  # the shard's slot is smaller than our block: never data
+        if not ops:
+            return 0, 0.0
+        try:
+            self._ensure_peer(head.shard_id, head.agent_name, head.shard_epoch)
+            assert self.peers is not None
+            endpoint = self.peers.endpoint_for(head.agent_name)
+            t0 = time.perf_counter()
+            result = endpoint.read(head.agent_name, ops, self.cfg.transfer_deadline_s)
+            read_s = time.perf_counter() - t0
+        except Exception as exc:  # peer metadata unavailable, shard dead: every block of these loads failed
+            log.warning("kvpool connector: read from %s failed: %s", head.shard_id, exc)
+            if self.peers is not None:
+                self.peers.forget(head.agent_name)
+            self.shards.forget(head.shard_id)
+            for k, its in enumerate(items):
+                failed[k].update(range(len(its)))
+            return 0, 0.0
+        self.shards.breaker.success(head.shard_id)
+        self.stats.read_seconds += read_s
+        self.stats.bytes_read += result.bytes_moved
+        if endpoint.backend == "shm":
+            self.stats.bytes_read_shm += result.bytes_moved
+        for i in result.failed:
+            k, idx = owner[i]
+            failed[k].add(idx)
+        return result.bytes_moved, read_s
+
+    def _verify(self, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int], geo: PoolGeometry) -> None:
+        """Checksum every slot that arrived (a mismatch is a failed slot: never data)."""
         for idx, (blk, groups) in enumerate(items):
             if idx in failed or blk.remote is None:
                 continue
             if self._checksum(geo.pieces(groups, blk.block_ids), blk.remote.length) != blk.remote.checksum:
                 self.stats.checksum_failures += 1
                 failed.add(idx)
-        return failed, moved, read_s
+
+    def _post(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int], moved: int,
+              read_s: float) -> None:
+        """Publish one request's load outcome for ``transfer_results`` (under the results lock)."""
+        with self._results_lock:
+            self.stats.loads += 1
+            if not failed:
+                self.stats.blocks_loaded += len(items)
+                self._finished_recving.add(spec.req_id)
+                return
+            self.stats.load_failures += 1
+            self.stats.blocks_failed += len(failed)
+            log.warning("kvpool connector: load of %s from %s: %d of %d slot(s) failed; vLLM recomputes them",
+                        spec.req_id, spec.shard_id or "?", len(failed), len(items))
+            if spec.all_or_nothing:
+                self._failed_recving.add(spec.req_id)
+                return
+            self._finished_recving.add(spec.req_id)
+            for idx in failed:
+                if 0 <= idx < len(items):
+                    self._invalid_blocks.update(items[idx][0].block_ids.values())
 
     def _checksum(self, pieces: list[tuple[int, int, int]], slot_bytes: int) -> int:
         return slot_checksum(self._pieces(pieces), slot_bytes)
@@ -283,7 +348,7 @@ class WorkerSide:
         meta = self._meta
         if meta is None or not meta.saves or self.geometry is None or self.saver is None:
             return
-        local = self.shards.local_shard_id()
+        local = self.shards.local_shard_id(wait=False)
         if local is None:
             return
         geo = self.geometry
@@ -310,9 +375,13 @@ class WorkerSide:
         return out
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished_recving incl. failed, failed_recving) since the last call."""
-        done, failed = self._finished_recving, self._failed_recving
-        self._finished_recving, self._failed_recving = set(), set()
+        """(finished_recving incl. failed, failed_recving) since the last call. The failed block ids of those loads
+        are taken with them, for ``take_load_errors`` right after (vLLM asks for both in the same pass)."""
+        with self._results_lock:
+            done, failed = self._finished_recving, self._failed_recving
+            self._finished_recving, self._failed_recving = set(), set()
+            self._harvested_invalid |= self._invalid_blocks
+            self._invalid_blocks = set()
         return done | failed, failed
 
     def take_transfer_records(self) -> list[TransferRecord]:
@@ -322,10 +391,14 @@ class WorkerSide:
         return out
 
     def take_load_errors(self) -> set[int]:
-        errors, self._invalid_blocks = self._invalid_blocks, set()
+        """The failed block ids of the loads the last ``transfer_results`` reported."""
+        errors, self._harvested_invalid = self._harvested_invalid, set()
         return errors
 
     def shutdown(self) -> None:
+        if self.loader is not None:
+            self.loader.close(self.cfg.transfer_deadline_s)
+            self.loader = None
         if self.saver is not None:
             self.saver.close(self.cfg.save_deadline_s)
             self.saver = None

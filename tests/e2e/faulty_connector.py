@@ -6,7 +6,8 @@ engines only: the tests arm a fault through the module-level ``FAULT`` and read 
 - ``FaultyKvPoolConnector``: right before the worker pulls a request's leased blocks, one armed fault fires:
   ``"kill_shard"`` kills the shard actor that holds them (a dead peer during the load), ``"corrupt"`` overwrites
   the first leased slot in the shard's arena with garbage through the worker's own transfer endpoint (bytes that
-  changed after the lease). The real load path then runs unchanged.
+  changed after the lease), once the background loader has finished the earlier loads. The real load path then runs
+  unchanged.
 - ``UnknownKindKvPoolConnector``: presents the first KV cache group to ``KvPoolConnector`` as a vLLM
   ``ChunkedLocalAttentionSpec`` (a real spec class the layout registry does not know), as an engine with such
   layers would; the connector must refuse, and vLLM must fail to start, naming the kind.
@@ -40,6 +41,7 @@ class FaultyKvPoolConnector(KvPoolConnector):
         mode = FAULT["mode"]
         if worker is not None and mode and meta is not None and meta.loads:
             spec = meta.loads[0]
+            assert worker.wait_loads(30.0), "earlier loads did not finish"  # the loader owns the endpoint
             if mode == "kill_shard":
                 import ray
 

@@ -328,9 +328,13 @@ def test_preempted_requests_release_and_reacquire(ctx: Ctx) -> None:
     for i, p in enumerate(PROMPTS[:2]):
         engine.add_request(f"p{i}", {"prompt_token_ids": p}, sp)
     held: list[Any] = []
+    scheduler = engine.engine_core.engine_core.scheduler
 
     def preempt(step: int) -> None:
-        if step == 3:  # both loaded and decoding: preempt everything and drop the HBM cache
+        # Once both loaded and decode (their lookups and leases run in the background: a few steps): preempt
+        # everything and drop the HBM cache.
+        running = {r.request_id.split("-")[0] for r in scheduler.running if r.num_output_tokens > 0}
+        if not held and running >= {"p0", "p1"}:
             held.append(connector_stats(llm)["held_leases"])
             assert engine.reset_prefix_cache(reset_running_requests=True)
 

@@ -1,0 +1,220 @@
+"""The connector's scheduler role never waits on the pool (``kvpool.connector.scheduler.SchedulerSide``).
+
+The thing under test is the real ``SchedulerSide`` with its real pool-call threads; its neighbour, the shards
+(``PoolShards``: Ray actors), is a fake whose calls block until the test opens a gate — a frozen shard. vLLM's
+``Request``, block list and scheduler output are stand-ins with the fields the connector reads. The real path (real
+vLLM, real shards) is ``tests/e2e/test_reuse_correctness.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+from kvpool.connector.breaker import ShardBreaker  # noqa: E402
+from kvpool.connector.config import ConnectorConfig  # noqa: E402
+from kvpool.connector.scheduler import SchedulerSide  # noqa: E402
+from kvpool.events import Tier  # noqa: E402
+from kvpool.shard.wire import LeaseReply, ShardUnavailableError  # noqa: E402
+from kvpool.store import Lease, LeasedBlock, LookupResult  # noqa: E402
+
+BS = 128
+FAST_S = 0.05  # "returns at once": far below any pool deadline
+
+
+class FakeShards:
+    """One shard "s1" holding the first ``held`` blocks of every chain; ``lookup_gate`` / ``lease_gate`` closed =
+    the shard is frozen (calls block until opened or their deadline passes)."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+        self.lookup_gate, self.lease_gate = threading.Event(), threading.Event()
+        self.lookup_gate.set()
+        self.lease_gate.set()
+        self.lookups: list[int] = []
+        self.released: list[int] = []
+        self.lease_fails = False
+        self.breaker = ShardBreaker()
+        self.shard_ids = ["s1"]
+
+    def local_shard_id(self, *, wait: bool = True) -> str:
+        return "s1"
+
+    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float) -> list[Any]:
+        if not self.lookup_gate.wait(deadline_s):
+            return [None for _ in calls]
+        self.lookups.append(len(calls[0][1]))
+        return [LookupResult(min(self.held, len(keys)), min(self.held, len(keys)), 0) for _, keys in calls]
+
+    def client(self, shard_id: str) -> Any:
+        return FakeClient(self)
+
+    def forget(self, shard_id: str) -> None:
+        self.breaker.failure(shard_id)
+
+
+class FakeClient:
+    def __init__(self, shards: FakeShards) -> None:
+        self.shards = shards
+
+    def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+        if not self.shards.lease_gate.wait(10.0) or self.shards.lease_fails:
+            raise ShardUnavailableError("shard s1.lease: no answer")
+        blocks = [LeasedBlock(bytes(k), i * 4096, 4096, 1000 + i, Tier.DRAM) for i, k in enumerate(keys)]
+        return LeaseReply("s1", "e1", "agent-s1", 0, Lease(7, blocks, 0.0, ttl_s))
+
+    def release(self, lease_id: int) -> bool:
+        self.shards.released.append(lease_id)
+        return True
+
+
+def make_side(held: int = 6) -> tuple[SchedulerSide, FakeShards]:
+    spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv = SimpleNamespace(num_blocks=64, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
+    vcfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m"))
+    side = SchedulerSide(ConnectorConfig(save=False, lookup_deadline_s=5.0), vcfg, kv)
+    side.fingerprint = "fp"
+    fake = FakeShards(held)
+    side.shards = fake  # type: ignore[assignment]
+    return side, fake
+
+
+def request(rid: str, blocks: int = 8) -> Any:
+    tokens = list(range(10, 10 + blocks * BS + 5))
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_tokens=len(tokens),
+                           num_prompt_tokens=len(tokens), cache_salt=None, kv_transfer_params=None, num_preemptions=0)
+
+
+def step(side: SchedulerSide) -> Any:
+    cached = SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return side.build_connector_meta(SimpleNamespace(preempted_req_ids=set(), scheduled_new_reqs=[],
+                                                     scheduled_cached_reqs=cached, num_scheduled_tokens={}))
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def until(cond: Any, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
+
+
+class Blocks:
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def test_a_frozen_lookup_answers_not_yet_at_once_then_the_hit() -> None:
+    side, fake = make_side(held=6)
+    fake.lookup_gate.clear()  # the shard is frozen
+    req = request("a")
+    side.on_new_request(req)  # starts the lookup in the background
+    for _ in range(20):  # vLLM asks every step while the request waits
+        out, took = timed(side.get_num_new_matched_tokens, req, 0)
+        assert out == (None, False) and took < FAST_S
+    assert side.stats.lookups == 1  # one lookup in flight, not one per ask
+    fake.lookup_gate.set()
+    until(lambda: side.get_num_new_matched_tokens(req, 0) != (None, False))
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    assert side.stats.lookups_not_yet >= 20
+
+
+def test_a_finished_lookup_answers_a_later_ask_past_the_local_prefix() -> None:
+    side, fake = make_side(held=6)
+    req = request("a")
+    side.on_new_request(req)
+    side.calls.wait_idle(5.0)
+    # vLLM's own cache now holds 2 blocks: the pool adds blocks 2..5, no new round trip
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == (4 * BS, True)
+    assert side.get_num_new_matched_tokens(req, 7 * BS) == (0, False)  # local has more than the pool
+    assert len(fake.lookups) == 1
+
+
+def test_a_lease_in_flight_holds_the_load_back_without_blocking_the_step() -> None:
+    side, fake = make_side(held=6)
+    req = request("a")
+    side.on_new_request(req)
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    fake.lease_gate.clear()
+    _, took = timed(side.update_state_after_alloc, req, Blocks(9), 6 * BS)
+    assert took < FAST_S
+    meta, took = timed(step, side)
+    assert meta.loads == [] and took < FAST_S
+    fake.lease_gate.set()
+    side.calls.wait_idle(5.0)
+    meta = step(side)
+    assert len(meta.loads) == 1
+    spec = meta.loads[0]
+    assert spec.req_id == "a" and [b.block_ids[0] for b in spec.blocks] == list(range(100, 106))
+    assert all(b.remote is not None for b in spec.blocks) and spec.agent_name == "agent-s1"
+    assert side.held_leases() == {"a": [("s1", 7)]}
+    done, params = side.request_finished(req)
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7] and not side.held_leases() and params is not None
+
+
+def test_aborted_while_leasing_gets_a_failed_load_and_the_late_lease_is_released() -> None:
+    side, fake = make_side(held=6)
+    req = request("a")
+    side.on_new_request(req)
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    fake.lease_gate.clear()
+    side.update_state_after_alloc(req, Blocks(9), 6 * BS)
+    side.request_finished(req)  # aborted while WAITING_FOR_REMOTE_KVS
+    meta = step(side)
+    # vLLM frees the request's blocks only once the worker reports its load: a failed one, now
+    assert [(s.req_id, s.blocks, s.all_or_nothing) for s in meta.loads] == [("a", [], True)]
+    fake.lease_gate.set()
+    side.calls.wait_idle(5.0)
+    assert step(side).loads == []
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7] and side.stats.leases_abandoned == 1 and not side.held_leases()
+
+
+def test_a_failed_lease_is_a_load_without_remote_blocks() -> None:
+    side, fake = make_side(held=6)
+    req = request("a")
+    side.on_new_request(req)
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    fake.lease_fails = True
+    side.update_state_after_alloc(req, Blocks(9), 6 * BS)
+    side.calls.wait_idle(5.0)
+    meta = step(side)
+    assert len(meta.loads) == 1 and all(b.remote is None for b in meta.loads[0].blocks)
+    assert side.stats.leases_failed == 1 and not side.held_leases()
+    # asked again without a preemption in between: offered nothing (recompute once)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_lookup_that_times_out_is_a_miss_and_the_answer_comes_back_by_itself() -> None:
+    side, fake = make_side(held=6)
+    side.cfg = ConnectorConfig(save=False, lookup_deadline_s=0.1)
+    fake.lookup_gate.clear()
+    req = request("a")
+    side.on_new_request(req)
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # no answer in time: a miss
+    assert side.stats.lookup_failures == 1
+    fake.lookup_gate.set()
+    side._reqs["a"].found = None  # forget the miss (as after LOOKUP_REFRESH_S)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
