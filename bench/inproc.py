@@ -14,6 +14,7 @@ Environment settings the CPU build needs are applied by ``engine_env()`` at call
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
 from typing import Any
@@ -26,6 +27,9 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+_GENERATE_IDS = itertools.count()
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -92,12 +96,30 @@ def placement() -> dict[str, Any]:
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
-    """Greedy completion of token-id prompts (ignore EOS, so every output has ``max_tokens`` tokens)."""
+    """Greedy completion of token-id prompts (ignore EOS, so every output has ``max_tokens`` tokens).
+
+    With the kvpool connector, the engine is stepped here and every step waits (``settle``) until the connector's
+    pool calls and loads started so far are done: the steps then group the requests as they would with an
+    instantly answering pool, whatever this machine's timing — vLLM's CPU kernels are not batch-invariant (another
+    batch can change a greedy token), and the correctness tests compare against engines that never wait."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    if scheduler_connector(llm) is None:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    else:
+        engine = llm.llm_engine
+        ids = [f"gen-{next(_GENERATE_IDS)}" for _ in prompts]
+        for rid, p in zip(ids, prompts, strict=True):
+            engine.add_request(rid, {"prompt_token_ids": p}, sp)
+        finished: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            settle(llm)
+            for o in engine.step():
+                if o.finished:
+                    finished[o.request_id] = o
+        outs = [finished[rid] for rid in ids]
     wall = time.perf_counter() - t0
     ttfts: list[float] = []
     for o in outs:
@@ -106,6 +128,15 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
         ttfts.append(float(first) if first is not None else -1.0)
     return GenResult([list(o.outputs[0].token_ids) for o in outs], ttfts, wall,
                      [int(o.num_cached_tokens or 0) for o in outs])
+
+
+def settle(llm: Any, deadline_s: float = 30.0) -> None:
+    """Wait (bounded) until the in-process connector's pool calls and loads started so far are done."""
+    sched, worker = scheduler_connector(llm), worker_connector(llm)
+    if sched is not None:
+        sched.wait_idle(deadline_s)
+    if worker is not None:
+        worker.wait_loads(deadline_s)
 
 
 def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
@@ -176,6 +207,7 @@ def connector_stats(llm: Any, *, settle_s: float = 30.0) -> dict[str, Any]:
         out["fingerprint"] = sched.fingerprint
         out["held_leases"] = sched.held_leases()
         out["scheduler_breaker"] = dataclasses.asdict(sched.shards.breaker.stats)
+        out["save_book"] = dataclasses.asdict(sched.book.stats)
     if worker is not None:
         worker.wait_saves(settle_s)
         out["worker"] = worker.stats_dict()

@@ -13,9 +13,12 @@ vLLM creates one instance per role; this class only dispatches (one file per rol
   ``request_finished_all_groups`` (release on finish and abort), ``set_xfer_handshake_metadata`` (the layout).
 - Worker role (``kvpool.connector.worker.WorkerSide``), called by vLLM's model runner:
   ``register_kv_caches`` (derive + verify the layout, refuse to start when unsure, register memory for transfers),
-  ``get_handshake_metadata``, ``start_load_kv``, ``wait_for_layer_load`` (no-op: a load completes inside
-  ``start_load_kv``), ``save_kv_layer`` (no-op: saves run once per step in ``wait_for_save``), ``wait_for_save``,
-  ``get_transfer_results``, ``get_block_ids_with_load_errors``.
+  ``get_handshake_metadata``, ``start_load_kv`` (queues the loads with the background loader),
+  ``wait_for_layer_load`` (no-op: loads are asynchronous, the request waits in ``WAITING_FOR_REMOTE_KVS``), ``save_kv_layer`` (no-op: saves run once per step in ``wait_for_save``), ``wait_for_save``,
+  ``get_transfer_results``, ``get_block_ids_with_load_errors``, ``build_connector_worker_meta`` (the saves' outcomes,
+  ``SaveReport``, which the scheduler role gets in ``update_connector_output``).
+Both roles report their counters on vLLM's metrics path (``get_kv_connector_stats``: ``vllm:kvpool_*`` counters and
+vLLM's "KV Transfer metrics" log line, ``kvpool.connector.stats``).
 The replica reads the worker's finished-load timings with ``engine.collective_rpc(drain_transfer_records)``
 (encoded ``TransferRecord``s; the routers calibrate their tier prices with them).
 Messages between the roles: ``kvpool.connector.meta``. Hybrid models (several KV cache groups) are supported
@@ -32,13 +35,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.meta import KvPoolMetadata, TransferRecord
 from kvpool.connector.scheduler import SchedulerSide
+from kvpool.connector.stats import CounterDeltas, KvPoolConnectorStats, KvPoolPromMetrics
 from kvpool.connector.worker import WorkerSide
 
 
@@ -54,6 +60,7 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 f"recomputed, never fails the request); got {ktc.kv_load_failure_policy!r}"
             )
         self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        self._deltas = CounterDeltas()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -114,6 +121,29 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().save_report()
+
+    # ------------------------------------------------------------------ both roles: vLLM's metrics path
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.scheduler_side is not None:
+            side = self.scheduler_side
+            return self._deltas.take({"scheduler": side.stats, "save_book": side.book.stats,
+                                      "scheduler_breaker": side.shards.breaker.stats})
+        w = self._worker()
+        return self._deltas.take({"worker": w.stats, "saver": w.saver.stats if w.saver is not None else None,
+                                  "worker_breaker": w.shards.breaker.stats,
+                                  "saver_breaker": w.saver_shards.breaker.stats if w.saver_shards else None})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KvPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def take_transfer_records(self) -> list[TransferRecord]:
         return self._worker().take_transfer_records()
 
@@ -142,6 +172,9 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvPoolMetadata:
         return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().save_outcomes(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)

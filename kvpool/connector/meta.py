@@ -9,6 +9,9 @@ Who sends what:
   forward (which engine blocks, under which keys).
 - Scheduler → replica, once per finished request: ``kvpool.connector.timing.PoolRequestTiming`` (no vLLM import
   there: the router reads it too).
+- Worker → scheduler, after a step whose saves finished (``build_connector_worker_meta`` → vLLM aggregates the
+  workers' → ``update_connector_output``): ``SaveReport``, the keys the shard committed (or already held) and the
+  keys whose save failed (``kvpool.connector.save_book``).
 - Worker → replica, on request: ``TransferRecord``s (``kvpool.connector.kv_connector.drain_transfer_records``
   through the engine's ``collective_rpc``): one per finished load — bytes, lease and read seconds, how many blocks the
   shard had to promote from SSD — which the replica publishes for the routers' tier calibration.
@@ -18,7 +21,11 @@ vLLM pickles these between processes; they hold only plain values.
 from __future__ import annotations
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 META_VERSION = 1
 
@@ -109,3 +116,23 @@ class KvPoolHandshake(KVConnectorHandshakeMetadata):
         self.layout = layout
         self.slot_bytes_needed = slot_bytes_needed
         self.version = META_VERSION
+
+
+class SaveReport(KVConnectorWorkerMetadata):
+    """Worker → scheduler: what became of planned saves since the last report. Aggregated over the workers of one
+    engine (tensor-parallel ranks save their own heads): a key is saved only when no rank failed it."""
+
+    def __init__(self, saved: list[bytes], failed: list[bytes]) -> None:
+        self.saved = saved
+        self.failed = failed
+        self.version = META_VERSION
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, SaveReport):
+            return self
+        failed = set(self.failed) | set(other.failed)
+        saved = [k for k in dict.fromkeys(self.saved + other.saved) if k not in failed]
+        return SaveReport(saved, sorted(failed))
+
+    def __repr__(self) -> str:
+        return f"SaveReport(saved={len(self.saved)}, failed={len(self.failed)})"

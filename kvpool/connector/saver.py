@@ -12,8 +12,11 @@ reserve and commit calls are deadline-bounded shard calls; the write has ``save_
 
 The staging slots are the bound on bytes in flight (``ConnectorConfig.save_staging_bytes``): when none is free,
 the blocks are not saved (``SaveStats.blocks_dropped``) — a future miss, never a wait on the forward path. A failed
-job is a future miss too (``save_failures``); its reservation is aborted or expires. ``wait_idle(deadline_s)``
-(the in-process bench and tests, shutdown) waits until every queued job is done.
+job is a future miss too (``save_failures``); its reservation is aborted or expires. Every staged or dropped key
+ends in ``take_outcomes()``: saved (committed, or already held by the shard) or failed (dropped, no room, a failed
+job, rejected by the shard's checksum check) — the scheduler role plans the failed ones again, bounded
+(``kvpool.connector.save_book``). ``wait_idle(deadline_s)`` (the in-process bench and tests, shutdown) waits until
+every queued job is done.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,6 +65,7 @@ class _Job:
     keys: list[bytes]
     slots: list[int]  # staging slot per key
     payloads: list[int]  # bytes staged per key
+    reported: set[bytes] = field(default_factory=set)  # keys whose outcome is out (take_outcomes)
 
 
 _STOP = object()
@@ -91,6 +95,8 @@ class BlockSaver:
         self._zero: np.ndarray | None = None
         self._zero_region = -1
         self._free = list(range(self.n_slots - 1, -1, -1))
+        self._saved: list[bytes] = []  # outcomes since the last take_outcomes (under _lock)
+        self._failed: list[bytes] = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # jobs queued or running
@@ -109,6 +115,7 @@ class BlockSaver:
         with self._lock:
             take = min(len(blocks), len(self._free))
             slots = [self._free.pop() for _ in range(take)]
+            self._failed.extend(key for key, _ in blocks[take:])
         self.stats.blocks_dropped += len(blocks) - take
         if not take:
             return 0
@@ -127,6 +134,19 @@ class BlockSaver:
         self.stats.stage_seconds += time.perf_counter() - t0
         self.stats.queue_max = max(self.stats.queue_max, self._jobs.qsize())
         return take
+
+    def take_outcomes(self) -> tuple[list[bytes], list[bytes]]:
+        """(saved keys, failed keys) since the last call."""
+        with self._lock:
+            saved, failed, self._saved, self._failed = self._saved, self._failed, [], []
+        return saved, failed
+
+    def _report(self, job: _Job, saved: list[bytes], failed: list[bytes]) -> None:
+        with self._lock:
+            self._saved.extend(saved)
+            self._failed.extend(failed)
+        job.reported.update(saved)
+        job.reported.update(failed)
 
     def wait_idle(self, deadline_s: float) -> bool:
         """Wait until every queued job is done; False if some are still running at the deadline."""
@@ -156,6 +176,7 @@ class BlockSaver:
             try:
                 self._write(job)
             except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an error
+                self._report(job, [], [k for k in job.keys if k not in job.reported])
                 self.stats.save_failures += 1
                 log.warning("kvpool connector: save of %d block(s) to %s failed: %s", len(job.keys), job.shard_id,
                             exc)
@@ -183,6 +204,7 @@ class BlockSaver:
             reservation_id = res.reservation_id
             n = min(len(job.keys), len(res.offsets))
             self.stats.blocks_no_room += len(job.keys) - n
+            self._report(job, [], job.keys[n:])
             if not n:
                 return
             # The saver writes to its own node's shard: through shared memory when that shard exports its arena.
@@ -207,6 +229,8 @@ class BlockSaver:
                 self.stats.bytes_written_shm += result.bytes_moved
             commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint, model=self.model)
             reservation_id = None
+            self._report(job, [job.keys[i] for i in commit.committed + commit.duplicate],
+                         [job.keys[i] for i in commit.rejected])
             self.stats.blocks_committed += len(commit.committed)
             self.stats.blocks_rejected += len(commit.rejected)
             self.stats.blocks_duplicate += len(commit.duplicate)

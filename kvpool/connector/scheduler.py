@@ -21,7 +21,9 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
 - ``build_connector_meta(scheduler_output)`` every step: hands the worker a ``LoadSpec`` for every lease that has
   come back (a failed lease: a spec without remote blocks — the worker reports it failed, vLLM recomputes), releases
   the leases of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids,
-  the state at a chunk end on a block boundary), to be written to the local shard after the forward.
+  the state at a chunk end on a block boundary), to be written to the local shard after the forward. A block counts
+  as saved only once the shard committed it (``update_connector_output`` with the workers' ``SaveReport``); a
+  failed save is planned again, bounded (``kvpool.connector.save_book``).
 - ``request_finished[_all_groups](request, ...)`` once per request (finished, aborted — also before it was ever
   scheduled — or errored): releases its leases (fire-and-forget) and hands back what its pool calls cost
   (``PoolRequestTiming`` in the final output's ``kv_transfer_params``). A request aborted while its lease is in
@@ -40,16 +42,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
-from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, RemoteBlock, SaveSpec
+from kvpool.connector.meta import (
+    KvPoolHandshake,
+    KvPoolMetadata,
+    LoadBlock,
+    LoadSpec,
+    RemoteBlock,
+    SaveReport,
+    SaveSpec,
+)
 from kvpool.connector.pool import PoolShards
 from kvpool.connector.pool_calls import PoolCalls
+from kvpool.connector.save_book import SaveBook
 from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.events import Tier
 from kvpool.keys import BlockKey, Namespace, chain_keys
@@ -59,7 +69,6 @@ log = logging.getLogger(__name__)
 
 PLAN_PARAM = "kvpool_shard"  # optional kv_transfer_params hint from the router: the shard to fetch from
 NO_LOAD_PARAM = "kvpool_no_load"  # kv_transfer_params flag: compute this request, load nothing (a SPLIT's head)
-RECENT_SAVES = 65536  # keys this engine already saved (skip re-saving them)
 LOOKUP_REFRESH_S = 1.0  # a finished lookup older than this is refreshed (in the background) when asked again
 
 
@@ -170,7 +179,7 @@ class SchedulerSide:
         self._matches: dict[str, _Match] = {}
         self._leasing: dict[str, _Leasing] = {}
         self._pending_loads: list[LoadSpec] = []
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self.book = SaveBook()  # what this engine saved, is saving, failed to save
         self._kv_cache_manager: Any = None
         self._step = 0  # build_connector_meta calls so far
         if not self.plan.usable:
@@ -468,26 +477,31 @@ class SchedulerSide:
         self._step += 1
         return meta
     def _plan_save(self, rid: str, computed: int, scheduled: int, first: bool, out: list[SaveSpec]) -> None:
+        """The full prompt blocks this step completes (and, at a request's first step, the blocks it holds whose
+        earlier save failed), minus what the book says is saved or in flight."""
         r = self._reqs.get(rid)
         if r is None or scheduled <= 0 or r.request.prompt_token_ids is None or self._kv_cache_manager is None:
             return
         bs = self.block_size
+        keys = self._keys(r)
+        retry: list[int] = []
         if first or r.save_from is None:
             r.save_from = computed // bs
-        keys = self._keys(r)
+            # the blocks it starts with (the engine's cache, a load): save those whose earlier save failed
+            retry = [i for i in range(min(r.save_from, len(keys))) if self.book.failed_before(bytes(keys[i]))]
         end = computed + scheduled
         prompt = r.request.num_prompt_tokens
         full = min(min(end, prompt) // bs, len(keys))
-        if full <= r.save_from and not (self.plan.hybrid and end % bs == 0):
+        if full <= r.save_from and not (self.plan.hybrid and end % bs == 0) and not retry:
             return
         table = self._kv_cache_manager.get_block_ids(rid)
         null = self._kv_cache_manager.block_pool.null_block.block_id
         save_keys: list[bytes] = []
         save_blocks: list[dict[int, int]] = []
-        for i in range(r.save_from, full):
+        for i in [*retry, *range(r.save_from, full)]:
             key = bytes(keys[i])
             ids = {g: table[g][i] for g in self.plan.block_groups}
-            if key in self._recent or null in ids.values():
+            if not self.book.wanted(key) or null in ids.values():
                 continue
             save_keys.append(key)
             save_blocks.append(ids)
@@ -498,17 +512,20 @@ class SchedulerSide:
         if self.plan.hybrid and end % bs == 0 and 0 < end <= prompt and k <= len(keys):
             candidate = bytes(state_key(keys[k - 1]))
             ids = {g: table[g][k - 1] for g in self.plan.state_groups if k - 1 < len(table[g])}
-            if candidate not in self._recent and len(ids) == len(self.plan.state_groups) and null not in ids.values():
+            if self.book.wanted(candidate) and len(ids) == len(self.plan.state_groups) and null not in ids.values():
                 skey, sblock = candidate, ids
         if not save_keys and skey is None:
             return
-        for key in save_keys + ([skey] if skey else []):
-            self._recent[key] = None
-        while len(self._recent) > RECENT_SAVES:
-            self._recent.popitem(last=False)
+        self.book.planned(save_keys + ([skey] if skey else []))
         self.stats.blocks_to_save += len(save_keys)
         self.stats.states_to_save += int(skey is not None)
         out.append(SaveSpec(rid, save_keys, save_blocks, skey, sblock))
+
+    def save_outcomes(self, report: Any) -> None:
+        """The workers' ``SaveReport`` of a step (vLLM's ``update_connector_output``): committed keys count as
+        saved, failed ones may be planned again (``kvpool.connector.save_book``)."""
+        if isinstance(report, SaveReport):
+            self.book.outcome(report.saved, report.failed)
 
     # ------------------------------------------------------------------ endings
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:

@@ -47,7 +47,7 @@ from kvpool.connector.layout import (
     pool_plan,
     tensor_info,
 )
-from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, TransferRecord
+from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, LoadSpec, SaveReport, TransferRecord
 from kvpool.connector.pool import KnownPeers, PoolShards
 from kvpool.connector.saver import BlockSaver, SaveStats
 from kvpool.connector.weights import weights_identity
@@ -224,22 +224,29 @@ class WorkerSide:
 
     def _load_batch(self, specs: list[LoadSpec]) -> None:
         """The loader thread: every spec of the batch, one transfer read per shard (loads from one shard overlap in
-        one transfer). Every spec gets its outcome posted, whatever happens."""
+        one transfer). Every spec gets its outcome, whatever happens; the batch's outcomes are published together
+        (one ``transfer_results`` reports all of them: requests loaded together are scheduled together)."""
         groups: dict[tuple[str, str, str, int], list[LoadSpec]] = {}
         for spec in specs:
             groups.setdefault((spec.shard_id, spec.agent_name, spec.shard_epoch, spec.region_id), []).append(spec)
+        outcomes: list[tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]] = []
         for group in groups.values():
-            posted: set[int] = set()
+            done: dict[int, tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]] = {}
             try:
-                self._load_group(group, posted)
+                self._load_group(group, done)
             except Exception as exc:  # noqa: BLE001 - a bug is a failed load (recomputed), never a hung request
                 log.exception("kvpool connector: load from %s failed: %s", group[0].shard_id or "?", exc)
             for i, spec in enumerate(group):
-                if i not in posted:
+                if i not in done:
                     items = self._items(spec)
-                    self._post(spec, items, set(range(len(items))) or {-1}, 0, 0.0)
+                    done[i] = (spec, items, set(range(len(items))) or {-1})
+            outcomes += [done[i] for i in range(len(group))]
+        with self._results_lock:
+            for spec, items, failed in outcomes:
+                self._post(spec, items, failed)
 
-    def _load_group(self, group: list[LoadSpec], posted: set[int]) -> None:
+    def _load_group(self, group: list[LoadSpec],
+                    done: dict[int, tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]]) -> None:
         """Loads of one shard (same agent, epoch and region): one read for all of their slots, then the checksums."""
         geo = self.geometry
         head = group[0]
@@ -253,15 +260,14 @@ class WorkerSide:
         moved, read_s = 0, 0.0
         if geo is not None and self.endpoint is not None and head.shard_id and not any(failed):
             moved, read_s = self._read(group, items, failed, geo)
-            for k, (spec, its) in enumerate(zip(group, items, strict=True)):
-                self._verify(its, failed[k], geo)
+            for its, f in zip(items, failed, strict=True):
+                self._verify(its, f, geo)
         ok_blocks = sum(len(its) for its, f in zip(items, failed, strict=True) if not f)
         if moved and ok_blocks:
             self._records.append(TransferRecord(head.shard_id, ok_blocks, moved, max(s.lease_s for s in group),
                                                 read_s, sum(s.ssd_blocks for s in group)))
         for k, spec in enumerate(group):
-            self._post(spec, items[k], failed[k], moved, read_s)
-            posted.add(k)
+            done[k] = (spec, items[k], failed[k])
 
     def _read(self, group: list[LoadSpec], items: list[list[tuple[LoadBlock, list[GroupSpans]]]],
               failed: list[set[int]], geo: PoolGeometry) -> tuple[int, float]:
@@ -318,26 +324,24 @@ class WorkerSide:
                 self.stats.checksum_failures += 1
                 failed.add(idx)
 
-    def _post(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int], moved: int,
-              read_s: float) -> None:
-        """Publish one request's load outcome for ``transfer_results`` (under the results lock)."""
-        with self._results_lock:
-            self.stats.loads += 1
-            if not failed:
-                self.stats.blocks_loaded += len(items)
-                self._finished_recving.add(spec.req_id)
-                return
-            self.stats.load_failures += 1
-            self.stats.blocks_failed += len(failed)
-            log.warning("kvpool connector: load of %s from %s: %d of %d slot(s) failed; vLLM recomputes them",
-                        spec.req_id, spec.shard_id or "?", len(failed), len(items))
-            if spec.all_or_nothing:
-                self._failed_recving.add(spec.req_id)
-                return
+    def _post(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int]) -> None:
+        """Publish one request's load outcome for ``transfer_results`` (the caller holds the results lock)."""
+        self.stats.loads += 1
+        if not failed:
+            self.stats.blocks_loaded += len(items)
             self._finished_recving.add(spec.req_id)
-            for idx in failed:
-                if 0 <= idx < len(items):
-                    self._invalid_blocks.update(items[idx][0].block_ids.values())
+            return
+        self.stats.load_failures += 1
+        self.stats.blocks_failed += len(failed)
+        log.warning("kvpool connector: load of %s from %s: %d of %d slot(s) failed; vLLM recomputes them",
+                    spec.req_id, spec.shard_id or "?", len(failed), len(items))
+        if spec.all_or_nothing:
+            self._failed_recving.add(spec.req_id)
+            return
+        self._finished_recving.add(spec.req_id)
+        for idx in failed:
+            if 0 <= idx < len(items):
+                self._invalid_blocks.update(items[idx][0].block_ids.values())
 
     def _checksum(self, pieces: list[tuple[int, int, int]], slot_bytes: int) -> int:
         return slot_checksum(self._pieces(pieces), slot_bytes)
@@ -383,6 +387,13 @@ class WorkerSide:
             self._harvested_invalid |= self._invalid_blocks
             self._invalid_blocks = set()
         return done | failed, failed
+
+    def save_report(self) -> SaveReport | None:
+        """What became of the planned saves since the last call (for the scheduler role), None when nothing."""
+        if self.saver is None:
+            return None
+        saved, failed = self.saver.take_outcomes()
+        return SaveReport(saved, failed) if saved or failed else None
 
     def take_transfer_records(self) -> list[TransferRecord]:
         """The finished loads since the last call (oldest first; at most ``TRANSFER_RECORDS`` are kept)."""

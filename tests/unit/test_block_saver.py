@@ -89,6 +89,9 @@ def test_a_frozen_shard_never_blocks_stage_and_a_full_staging_drops(rig) -> None
     assert [saved_bytes(store, i) is not None for i in range(6)] == [True] * 4 + [False] * 2
     assert saver.stage("local", FP, [(key(9), block(9))]) == 1  # the slots came back
     assert saver.wait_idle(10) and saved_bytes(store, 9) is not None
+    saved, failed = saver.take_outcomes()  # every key's fate, for the scheduler's save book
+    assert sorted(saved) == sorted([key(i) for i in (0, 1, 2, 3, 9)]) and sorted(failed) == sorted([key(4), key(5)])
+    assert saver.take_outcomes() == ([], [])
 
 
 def test_a_dead_shard_is_a_counted_failure_and_the_slots_come_back(rig) -> None:
@@ -98,9 +101,13 @@ def test_a_dead_shard_is_a_counted_failure_and_the_slots_come_back(rig) -> None:
     assert saver.wait_idle(10)
     assert saver.stats.save_failures == 1 and saver.stats.blocks_committed == 0
     assert forgotten == ["local"]  # the client is looked up again next time
+    assert saver.take_outcomes() == ([], [key(i) for i in range(4)])  # failed once each, not twice
     shard.fail = False
     assert saver.stage("local", FP, [(key(i), block(i)) for i in range(4)]) == 4
     assert saver.wait_idle(10) and saver.stats.blocks_committed == 4
+    assert saver.take_outcomes() == ([key(i) for i in range(4)], [])
+    assert saver.stage("local", FP, [(key(0), block(0))]) == 1  # already held: a duplicate counts as saved
+    assert saver.wait_idle(10) and saver.stats.blocks_duplicate == 1 and saver.take_outcomes() == ([key(0)], [])
 
 
 def test_a_shard_with_fewer_free_slots_saves_the_leading_blocks() -> None:
@@ -113,6 +120,7 @@ def test_a_shard_with_fewer_free_slots_saves_the_leading_blocks() -> None:
         saver.stage("small", FP, [(key(i), block(i)) for i in range(3)])
         assert saver.wait_idle(10)
         assert [saved_bytes(store, i) is not None for i in range(3)] == [True, True, False]
+        assert saver.take_outcomes() == ([key(0), key(1)], [key(2)])  # no room: failed, planned again later
     finally:
         saver.close()
 

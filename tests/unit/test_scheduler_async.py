@@ -218,3 +218,39 @@ def test_a_lookup_that_times_out_is_a_miss_and_the_answer_comes_back_by_itself()
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)
     side.calls.wait_idle(5.0)
     assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+
+
+class CacheManager:
+    """vLLM's KV cache manager as the save planner reads it: each request's block table, the null block."""
+
+    def __init__(self) -> None:
+        self.block_pool = SimpleNamespace(null_block=SimpleNamespace(block_id=0))
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return (list(range(200, 220)),)
+
+
+def save_step(side: SchedulerSide, rid: str, computed: int, scheduled: int) -> Any:
+    cached = SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    new = [SimpleNamespace(req_id=rid, num_computed_tokens=computed)]
+    return side.build_connector_meta(SimpleNamespace(preempted_req_ids=set(), scheduled_new_reqs=new,
+                                                     scheduled_cached_reqs=cached,
+                                                     num_scheduled_tokens={rid: scheduled}))
+
+
+def test_a_failed_save_is_planned_again_from_a_held_copy_and_a_committed_one_never() -> None:
+    from kvpool.connector.meta import SaveReport
+
+    side, _ = make_side()
+    side.cfg = ConnectorConfig(save=True)
+    side.bind_kv_cache_manager(CacheManager())
+    first = request("a", blocks=4)
+    side.on_new_request(first)
+    (spec,) = save_step(side, "a", 0, first.num_tokens).saves
+    assert len(spec.keys) == 4
+    side.save_outcomes(SaveReport(saved=spec.keys[:2] + spec.keys[3:], failed=[spec.keys[2]]))
+    again = request("b", blocks=4)  # the same prompt: its first 4 blocks come from the engine's own cache
+    side.on_new_request(again)
+    (retry,) = save_step(side, "b", 4 * BS, again.num_tokens - 4 * BS).saves
+    assert retry.keys == [spec.keys[2]] and retry.blocks == [{0: 202}]
+    assert side.book.stats.retried == 1
