@@ -332,7 +332,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="", help="also write the JSON result (with every request) to this file")
 
 
-def _replica_threads(endpoint: str) -> int:
+def replica_threads(endpoint: str) -> int:
     counts = {p.get("threads") for p in replica_placement(endpoint) or []} - {None}
     if len(counts) != 1:
         raise RuntimeError(f"the kvstack replicas report thread counts {sorted(counts)}: cannot mirror one")
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
         reference = args.reference
         ref_placement: dict[str, Any] = {"binding": "external", "url": reference}
         if not reference:
-            threads = args.threads or _replica_threads(args.endpoint)
+            threads = args.threads or replica_threads(args.endpoint)
             log_path = Path(".kvstack") / "oracle-reference.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             print(f"[oracle] starting plain vLLM ({threads} thread(s), log {log_path})", file=sys.stderr)

@@ -92,3 +92,39 @@ async def scrape(base_url: str, *, timeout_s: float = 5.0) -> RouterCounters | N
         return parse_router_metrics(resp.text)
     except ValueError:
         return None
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts (upper bound → count) of the histogram ``name`` in an exposition, summed over its
+    label sets (every replica's engine, say); empty when the exposition has no such histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name or family.type != "histogram":
+            continue
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of cumulative ``buckets``, linear within the bucket that holds it, as Prometheus's
+    ``histogram_quantile`` does (the +Inf bucket answers its lower bound); None without samples."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, count
+    return lower

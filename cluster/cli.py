@@ -33,6 +33,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("transfer", "bench.transfer_bench", "KV pool transfer throughput (NIXL, TCP, SSD) vs machine limits"),
     ("reuse", "bench.reuse_bench", "TTFT: recompute vs HBM hit vs fetch from DRAM / SSD"),
     ("frozen-shard", "bench.frozen_shard", "engine step time and outputs with one pool shard frozen (SIGSTOP)"),
+    ("soak", "bench.soak", "agent sessions with tools for minutes: errors, wrong outputs, RSS, leases, step time"),
     ("oracle", "bench.oracle", "kvstack's greedy outputs against plain vLLM's (same engine, same placement)"),
     ("router", "bench.router_bench", "decision latency of the cost_based policy"),
     ("agent", "bench.agent_cli", "agent-session load generator against an OpenAI endpoint"),

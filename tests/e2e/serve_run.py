@@ -5,7 +5,8 @@ cluster.cli serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets``
 the tiny dense model — or ``--model MODEL``, or ``--config FILE`` as written — are set first; ``env`` is added to
 its environment), waits until it prints
 that it is serving (at most ``ready_s``; a start that exits or times out fails the test with the tails of its logs),
-yields ``{"proc", "base", "state", "log"}`` and kills its process group after.
+yields ``{"proc", "base", "state", "log"}`` and kills its process group after. ``get_status`` / ``wait_for_status``
+read such a server's ``/kvstack/status`` (polled with a deadline); ``hbm_blocks`` / ``pool_blocks`` read a status.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from cluster.local_cluster import free_port
@@ -68,3 +70,37 @@ def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def get_status(server) -> dict[str, Any]:
+    return httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+
+
+def wait_for_status(server, holds: Callable[[dict[str, Any]], bool], what: str, *, answers: int = 1,
+                    timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll ``/kvstack/status`` until ``holds(status)`` is true on ``answers`` answers in a row; fail after
+    ``timeout_s`` with the last answer. Shard rows are read from the shards themselves (one answer is enough);
+    replica rows are the answering router's own view, and an answer does not say which of the two routers gave it:
+    for those, ``answers=6`` in a row makes it all but certain that both routers have it (each answer comes from
+    either router, about evenly)."""
+    deadline = time.monotonic() + timeout_s
+    in_a_row = 0
+    while True:
+        st = get_status(server)
+        in_a_row = in_a_row + 1 if holds(st) else 0
+        if in_a_row >= answers:
+            return st
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what}; last status: replicas {st['replicas']}, "
+                        f"shards {st['shards']}")
+        time.sleep(0.2)
+
+
+def hbm_blocks(st: dict[str, Any]) -> dict[str, int]:
+    """Per replica, the HBM blocks the answering router believes it holds (from the replica's reports)."""
+    return {r["replica_id"]: r["hbm_blocks"] for r in st["replicas"]}
+
+
+def pool_blocks(st: dict[str, Any], node_id: str | None = None) -> int:
+    """Committed blocks in the pool's shards (all, or the one on ``node_id``)."""
+    return sum(s["dram_blocks"] + s["ssd_blocks"] for s in st["shards"] if node_id in (None, s["node_id"]))

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import psutil
 import pytest
 
 from cluster.local_cluster import free_port
-from tests.e2e.serve_run import running_serve
+from tests.e2e.serve_run import get_status, hbm_blocks, pool_blocks, running_serve, wait_for_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -54,40 +53,6 @@ def app_config() -> Any:
 
 def engine_settings() -> Any:
     return app_config().engine
-
-
-def get_status(server) -> dict[str, Any]:
-    return httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
-
-
-def wait_for_status(server, holds: Callable[[dict[str, Any]], bool], what: str, *, answers: int = 1,
-                    timeout_s: float = 60.0) -> dict[str, Any]:
-    """Poll ``/kvstack/status`` until ``holds(status)`` is true on ``answers`` answers in a row; fail after
-    ``timeout_s`` with the last answer. Shard rows are read from the shards themselves (one answer is enough);
-    replica rows are the answering router's own view, and an answer does not say which of the two routers gave it:
-    for those, ``answers=6`` in a row makes it all but certain that both routers have it (each answer comes from
-    either router, about evenly)."""
-    deadline = time.monotonic() + timeout_s
-    in_a_row = 0
-    while True:
-        st = get_status(server)
-        in_a_row = in_a_row + 1 if holds(st) else 0
-        if in_a_row >= answers:
-            return st
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s: {what}; last status: replicas {st['replicas']}, "
-                        f"shards {st['shards']}")
-        time.sleep(0.2)
-
-
-def hbm_blocks(st: dict[str, Any]) -> dict[str, int]:
-    """Per replica, the HBM blocks the answering router believes it holds (from the replica's reports)."""
-    return {r["replica_id"]: r["hbm_blocks"] for r in st["replicas"]}
-
-
-def pool_blocks(st: dict[str, Any], node_id: str | None = None) -> int:
-    """Committed blocks in the pool's shards (all, or the one on ``node_id``)."""
-    return sum(s["dram_blocks"] + s["ssd_blocks"] for s in st["shards"] if node_id in (None, s["node_id"]))
 
 
 def test_chat_completion_and_stream(client) -> None:
@@ -512,6 +477,28 @@ def test_outputs_equal_plain_vllm_with_the_same_placement(server, tmp_path) -> N
     assert result["reused_requests"] >= 8, result["by_action"]  # revisits reused their prefix (pool, or HBM)
     assert "fetch" in result["by_action"], result["by_action"]
     assert all(p.get("threads") == 1 for p in result["placement"]["kvstack"]), result["placement"]
+
+
+def test_a_60_second_soak_leaves_no_lease_no_error_no_wrong_output(server, tmp_path) -> None:
+    """``kvstack bench soak``'s CI version (``bench.soak.soak``): 60 s of agent sessions with tools, 8 in flight,
+    against this server; then its pool holds blocks and no live lease, no request failed, the engines' step times
+    were measured, every process of the server was measured at start and end, and a spot check through the pool as
+    the soak left it matches plain vLLM."""
+    import argparse
+
+    from bench.soak import configure, soak
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--duration-s", "60", "--in-flight", "8", "--spot-sessions", "2",
+                              "--serve-set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}"])
+    result = soak(server["base"], server["proc"].pid, args, tmp_path)
+    assert result["requests"]["ok"] >= 20 and result["requests"]["errors"] == 0, result["errors"]
+    assert result["pool_end"]["leases"] == 0 and result["pool_end"]["blocks"] > 0, result["pool_end"]
+    assert result["step_s"]["samples"] > 100 and 0 < result["step_s"]["p50"] <= result["step_s"]["p99"]
+    assert result["rss"]["total_end_mib"] > 0 and result["rss"]["gone"] == 0, result["rss"]
+    assert result["wrong_outputs"] == 0 and result["spot_check"]["compared"] >= 3, result["spot_check"]
+    assert result["ok"] and (tmp_path / "soak.png").exists()
 
 
 def test_sigterm_leaves_no_process_behind(server) -> None:
