@@ -38,7 +38,8 @@ undoes it (free the destination; a failed promotion or SSD read counts a checksu
 Every slot a copy touches belongs to that one move, on no free list. While in transit an entry stays where it was
 for lookups: a demoting block stays in DRAM and may be leased (the demotion is then abandoned at finish, the SSD
 slot given back); a block being promoted (or read by ``read_block``) stays in SSD, and a lease or read reaching it
-waits for that move to finish (the lock released meanwhile), then sees its new place. An entry removed while in
+waits for that move to finish (the lock released meanwhile; at most ``move_wait_s``: then the lease ends before
+that block, the read misses), then sees its new place. An entry removed while in
 transit (a checksum failure) leaves the index at once; its move's finish frees its slots. Lease DRAM checksums
 (``verify_dram_on_lease``) run outside the lock on pinned blocks (a pinned block's slot is never written).
 ``commit``'s checksums and ``read_block``'s DRAM copy still run under it (one block's hash: microseconds).
@@ -84,6 +85,7 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     verify_dram_on_lease: bool = True
     event_log_capacity: int = 65536
     shared_arena: bool = False  # the DRAM arena in a memfd same-host clients map (kvpool.transfer.shm)
+    move_wait_s: float = 5.0  # a lease or read of a block another call is copying waits at most this, then misses it
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0 or self.dram_slots <= 0:
@@ -415,8 +417,13 @@ class BlockStore:
             now = self._clock()
             self._sweep(now)
             prefix = self._prefix(keys, fingerprint)
-            while any(e.move is not None for e in prefix if e.tier is Tier.SSD):
-                self._settled.wait()  # another lease promotes (or a read reads) one of them: use its outcome
+            deadline = time.monotonic() + self.config.move_wait_s
+            while (cut := _first_moving_ssd(prefix)) is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:  # a disk that outlasts the wait: lease what lies before the block it still moves
+                    prefix = prefix[:cut]
+                    break
+                self._settled.wait(left)  # another lease promotes (or a read reads) one of them: use its outcome
                 prefix = self._prefix(keys, fingerprint)
             prefix = prefix[: self._servable(prefix)]
             # Pin the servable prefix first, so promoting its SSD blocks never demotes blocks of the same lease.
@@ -497,8 +504,12 @@ class BlockStore:
         key = bytes(key)
         with self._lock:
             e = self._entries.get(key)
+            deadline = time.monotonic() + self.config.move_wait_s
             while e is not None and e.tier is Tier.SSD and e.move is not None:
-                self._settled.wait()  # its slot is being promoted (and freed): read wherever it lands
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None  # its copy outlasts the wait: a miss, never a wait without end
+                self._settled.wait(left)  # its slot is being promoted (and freed): read wherever it lands
                 e = self._entries.get(key)
             if e is None or e.fingerprint != fingerprint:
                 return None
@@ -845,3 +856,11 @@ class BlockStore:
         self.metrics.set_active(len(self._leases), len(self._reservations))
         self.metrics.set_layouts({(self._layout_model.get(fp, ""), fp, tier.value): n
                                   for fp, per in self._by_layout.items() for tier, n in per.items()})
+
+
+def _first_moving_ssd(prefix: list[_Entry]) -> int | None:
+    """Index of the first SSD block of ``prefix`` another call is copying (promoting or reading), or None."""
+    for i, e in enumerate(prefix):
+        if e.tier is Tier.SSD and e.move is not None:
+            return i
+    return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -476,3 +477,27 @@ def test_many_threads_on_a_slow_disk_keep_the_store_consistent(make_store, pool)
     assert st.counters["demotions"] > 0 and st.counters["promotions"] > 0
     assert st.counters["checksum_failures_dram"] == st.counters["checksum_failures_ssd"] == 0
     check_consistent(store, book)
+
+
+def test_a_lease_or_read_waits_for_a_stuck_copy_at_most_move_wait_s(make_store, pool) -> None:
+    """A disk that never answers holds no other call past ``move_wait_s``: a second lease of the blocks being
+    promoted ends before them (a miss), a read of one misses; both come back once the wait is over."""
+    store, slab = make_store(dram=6, ssd=4, move_wait_s=0.3)
+    book = Book()
+    hot, cold = keys_for(1, "hot"), keys_for(2, "cold")
+    book.commit(store, cold, [0, 1])
+    assert store.demote(cold) == 2
+    slab.read_gate.arm()
+    promoting = pool.submit(store.lease, cold, FP, 30.0)
+    entered(slab.read_gate)
+    t = time.monotonic()
+    second = within(pool.submit(store.lease, cold, FP, 30.0))
+    assert second.blocks == [] and second.lease_id == 0
+    assert within(pool.submit(store.read_block, cold[0], FP)) is None
+    assert 0.3 <= time.monotonic() - t < DEADLINE_S
+    book.commit(store, hot, [5])  # meanwhile the rest of the store serves as always
+    assert leased_bytes(store, within(pool.submit(store.lease, hot, FP, 30.0))) == [payload(5)]
+    slab.read_gate.open()
+    assert leased_bytes(store, within(promoting)) == [payload(0), payload(1)]
+    assert store.read_block(cold[0], FP) == payload(0)
+    check_consistent(store)
