@@ -4,7 +4,8 @@ Who calls what: the block store (``kvpool.store``) allocates and frees slots and
 shard actor registers ``buffer`` with its transfer endpoint once, so remote peers read and write slots in place
 (offset = ``slot * slot_bytes``); a shared arena (a memfd) is also mapped by same-host clients
 (``kvpool.transfer.shm``). The arena never moves or grows, so registered offsets stay valid for the
-process's lifetime. Not thread-safe; the store's owner serializes access.
+process's lifetime. Not thread-safe: the store calls the allocator under its own lock; a slot's bytes are copied
+outside it only by the one operation that holds the slot (``kvpool.tiering``).
 """
 
 from __future__ import annotations

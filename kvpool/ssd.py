@@ -1,7 +1,9 @@
 """The SSD tier's storage: one preallocated slab file in a directory, fixed-size slots, positional I/O.
 
 Who calls what: the block store (``kvpool.store``) allocates SSD slots, writes a demoted block from its arena slot
-(``write``), and reads a block back into an arena slot (``read_into``) before verifying its checksum.
+(``write``), and reads a block back into an arena slot (``read_into``) before verifying its checksum. ``alloc`` /
+``free`` run under the store's lock; ``write`` / ``read_into`` run outside it (``kvpool.tiering``), each on a slot
+that one move holds alone (positional I/O on a shared fd: concurrent calls on distinct slots are safe).
 
 Layout choice, measured on this machine (``/tmp/ssd_probe.py`` in the pool report; 5 runs, median, page cache
 warm): one slab file with ``pwrite``/``preadv`` at ``slot * slot_bytes`` writes 3.4 GB/s (64 KiB blocks) and

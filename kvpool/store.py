@@ -1,8 +1,8 @@
 """The block store: one shard's DRAM and SSD tiers, without Ray. The mechanism; eviction order is a policy object.
 
-Who calls what: the shard actor (``kvpool.shard.actor``) owns one ``BlockStore``, serializes calls to it under a lock,
-registers ``store.arena.buffer`` with its transfer endpoint and sweeps expiries periodically (``sweep``). Tests
-drive it directly with an injected clock.
+Who calls what: the shard actor (``kvpool.shard.actor``) owns one ``BlockStore`` and calls it from its request
+threads, its pull threads (``kvpool.shard.pull``) and its sweeper thread (``sweep``); it registers
+``store.arena.buffer`` with its transfer endpoint. Tests drive it directly with an injected clock.
 
 Life of a block:
 1. ``reserve(n)`` hands out up to ``n`` DRAM slots (fewer when DRAM is full of leased/reserved blocks) that expire
@@ -29,16 +29,32 @@ Life of a block:
 Every block is ``slot_bytes`` long (one shard serves one block size, the layout's offloaded bytes per block) and
 its checksum covers all of it (``kvpool.checksum.block_checksum``). Writes racing a reservation's expiry are the
 writer's problem: readers get the checksum with the lease and can verify after the transfer.
-Not thread-safe: the owner serializes calls.
+
+Thread-safe. One lock (the store's own) guards all metadata; no disk I/O and no checksum of a leased or moving
+block runs under it. A tier move is two-phase (``kvpool.tiering``): under the lock the store plans it (victims,
+destination slot allocated, the entry marked in transit: never evicted, demoted, reused or freed meanwhile),
+releases the lock for the copy (and the verification), re-takes it and finishes (switch tier, free the source) or
+undoes it (free the destination; a failed promotion or SSD read counts a checksum failure and drops the entry).
+Every slot a copy touches belongs to that one move, on no free list. While in transit an entry stays where it was
+for lookups: a demoting block stays in DRAM and may be leased (the demotion is then abandoned at finish, the SSD
+slot given back); a block being promoted (or read by ``read_block``) stays in SSD, and a lease or read reaching it
+waits for that move to finish (the lock released meanwhile; at most ``move_wait_s``: then the lease ends before
+that block, the read misses), then sees its new place. An entry removed while in
+transit (a checksum failure) leaves the index at once; its move's finish frees its slots. Lease DRAM checksums
+(``verify_dram_on_lease``) run outside the lock on pinned blocks (a pinned block's slot is never written).
+``commit``'s checksums and ``read_block``'s DRAM copy still run under it (one block's hash: microseconds).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +67,9 @@ from kvpool.eviction import EvictionPolicy, LruPolicy
 from kvpool.keys import KEY_BYTES
 from kvpool.metrics import PoolMetrics
 from kvpool.ssd import SsdSlab
+from kvpool.tiering import Move, MoveKind, Outcome, copy_in, copy_out, read_copy
 
+log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
@@ -67,6 +85,7 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     verify_dram_on_lease: bool = True
     event_log_capacity: int = 65536
     shared_arena: bool = False  # the DRAM arena in a memfd same-host clients map (kvpool.transfer.shm)
+    move_wait_s: float = 5.0  # a lease or read of a block another call is copying waits at most this, then misses it
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0 or self.dram_slots <= 0:
@@ -126,9 +145,12 @@ class Lease(msgspec.Struct, frozen=True):
 
 
 class TierStats(msgspec.Struct, frozen=True):
+    """``capacity`` = ``blocks`` + ``free`` + ``in_transit`` (+ the reserved slots, for DRAM)."""
+
     capacity: int
     blocks: int
     free: int
+    in_transit: int = 0  # slots held by tier moves in flight that are no visible block's own slot
 
 
 class LayoutStats(msgspec.Struct, frozen=True):
@@ -173,6 +195,7 @@ class _Entry:
     checksum: int
     fingerprint: str
     pins: int = 0
+    move: Move | None = None  # in transit (``kvpool.tiering``): being demoted, promoted or read from SSD
 
 
 @dataclass(slots=True)
@@ -237,20 +260,24 @@ class BlockStore:
         self._ids = itertools.count(1)
         self._log = EventLog(shard_id, self.epoch, config.event_log_capacity)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._lock = threading.Lock()  # all state above; released only around copies (see the module doc)
+        self._settled = threading.Condition(self._lock)  # notified whenever a tier move finishes
+        self._moves: set[Move] = set()  # in flight
         self._publish_gauges()
 
     # ------------------------------------------------------------------ write path
     def reserve(self, n: int) -> Reservation:
         if n < 0:
             raise ValueError(f"reserve needs n >= 0, got {n}")
-        now = self._clock()
-        self.sweep(now)
-        slots = self._alloc_dram(n)
-        rid = next(self._ids)
-        expires = now + self.config.reservation_ttl_s
-        if slots:
-            self._reservations[rid] = _Reserved(slots, expires)
-        self._publish_gauges()
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            slots = self._alloc_dram(n)
+            rid = next(self._ids)
+            expires = now + self.config.reservation_ttl_s
+            if slots:
+                self._reservations[rid] = _Reserved(slots, expires)
+            self._publish_gauges()
         offsets = [self.arena.offset(s) for s in slots]
         return Reservation(rid, slots, offsets, self.config.slot_bytes, expires, self.config.reservation_ttl_s)
 
@@ -281,7 +308,12 @@ class BlockStore:
                 raise ValueError(f"commit: block keys are {KEY_BYTES} bytes, got {len(k)}")
         if not fingerprint:
             raise ValueError("commit: empty layout fingerprint")
-        self.sweep(self._clock())
+        with self._lock:
+            return self._commit(reservation_id, keys, checksums, fingerprint, slot_index, model)
+
+    def _commit(self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
+                slot_index: Sequence[int] | None, model: str) -> CommitResult:
+        self._sweep(self._clock())
         res = self._reservations.pop(reservation_id, None)
         if res is None:
             err = f"unknown or expired reservation {reservation_id}"
@@ -326,21 +358,23 @@ class BlockStore:
 
     def abort(self, reservation_id: int) -> bool:
         """Return a reservation's slots; False if it was unknown (already committed, aborted or expired)."""
-        res = self._reservations.pop(reservation_id, None)
-        if res is None:
-            return False
-        self.arena.free(res.slots)
-        self._count("aborts")
-        self._publish_gauges()
-        return True
+        with self._lock:
+            res = self._reservations.pop(reservation_id, None)
+            if res is None:
+                return False
+            self.arena.free(res.slots)
+            self._count("aborts")
+            self._publish_gauges()
+            return True
 
     # ------------------------------------------------------------------ read path
     def held(self, keys: Sequence[bytes], fingerprint: str) -> list[bool]:
         """Per key (not a prefix): is it visible here under ``fingerprint``, in any tier. No side effects."""
         out: list[bool] = []
-        for key in keys:
-            e = self._entries.get(bytes(key))
-            out.append(e is not None and e.fingerprint == fingerprint)
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(bytes(key))
+                out.append(e is not None and e.fingerprint == fingerprint)
         return out
 
     def touch(self, keys: Sequence[bytes], fingerprint: str) -> int:
@@ -348,26 +382,29 @@ class BlockStore:
         engine keeps serving from its own HBM is never leased, and would otherwise age out of the pool while it is
         hot. Moves nothing between tiers; returns how many keys were held."""
         n = 0
-        for key in keys:
-            e = self._entries.get(bytes(key))
-            if e is None or e.fingerprint != fingerprint:
-                continue
-            self._policy[e.tier].touch(e.key)
-            n += 1
-        self._count("touched", n)
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(bytes(key))
+                if e is None or e.fingerprint != fingerprint:
+                    continue
+                self._policy[e.tier].touch(e.key)
+                n += 1
+            self._count("touched", n)
         return n
 
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupResult:
-        """Leading keys held under ``fingerprint``; no side effects on the store."""
+        """Leading keys held under ``fingerprint``; no side effects on the store. A block in transit counts in the
+        tier it is leaving (see the module doc)."""
         dram = ssd = 0
-        for key in keys:
-            e = self._entries.get(bytes(key))
-            if e is None or e.fingerprint != fingerprint:
-                break
-            if e.tier is Tier.DRAM:
-                dram += 1
-            else:
-                ssd += 1
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(bytes(key))
+                if e is None or e.fingerprint != fingerprint:
+                    break
+                if e.tier is Tier.DRAM:
+                    dram += 1
+                else:
+                    ssd += 1
         self.metrics.lookup()
         return LookupResult(dram + ssd, dram, ssd)
 
@@ -375,78 +412,134 @@ class BlockStore:
         """Pin the longest held prefix of ``keys`` (promoting SSD blocks) for ``ttl_s`` seconds."""
         if ttl_s <= 0 or ttl_s > self.config.max_lease_ttl_s:
             raise ValueError(f"lease ttl must be in (0, {self.config.max_lease_ttl_s}], got {ttl_s}")
-        now = self._clock()
-        self.sweep(now)
-        prefix: list[_Entry] = []
-        for raw in keys:
-            e = self._entries.get(bytes(raw))
-            if e is None or e.fingerprint != fingerprint:
-                break
-            prefix.append(e)
-        prefix = prefix[: self._servable(prefix)]
-        # Pin the servable prefix first, so promoting its SSD blocks never demotes blocks of the same lease.
-        for e in prefix:
-            e.pins += 1
-        blocks: list[LeasedBlock] = []
-        for e in prefix:
-            found_in = e.tier
-            if found_in is Tier.SSD:
-                if not self._promote(e):
+        keys = [bytes(k) for k in keys]
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            prefix = self._prefix(keys, fingerprint)
+            deadline = time.monotonic() + self.config.move_wait_s
+            while (cut := _first_moving_ssd(prefix)) is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:  # a disk that outlasts the wait: lease what lies before the block it still moves
+                    prefix = prefix[:cut]
                     break
-            elif self.config.verify_dram_on_lease and block_checksum(self.arena.view(e.slot)) != e.checksum:
+                self._settled.wait(left)  # another lease promotes (or a read reads) one of them: use its outcome
+                prefix = self._prefix(keys, fingerprint)
+            prefix = prefix[: self._servable(prefix)]
+            # Pin the servable prefix first, so promoting its SSD blocks never demotes blocks of the same lease.
+            for e in prefix:
+                e.pins += 1
+            blocks = self._lease_prefix(prefix)
+            for e in prefix[len(blocks) :]:
                 e.pins -= 1
-                self._corrupted(e, "lease")
-                e.pins += 1  # undone with the rest of the cut below
+            pinned = [e.key for e in prefix[: len(blocks)]]
+            missed = len(keys) - len(blocks)
+            self._count("misses", missed)
+            self.metrics.miss(missed)
+            lease_id = 0
+            if pinned:
+                lease_id = next(self._ids)
+                self._leases[lease_id] = _Leased(pinned, now + ttl_s)
+            self._publish_gauges()
+        return Lease(lease_id, blocks, now + ttl_s, ttl_s)
+
+    def _lease_prefix(self, prefix: list[_Entry]) -> list[LeasedBlock]:
+        """The leased blocks of a pinned, servable prefix: its SSD blocks promoted, its DRAM blocks verified (both
+        with the lock released); the first block that fails (or finds no DRAM slot) ends it."""
+        promos = list({id(e): e for e in prefix if e.tier is Tier.SSD}.values())
+        for e in promos:  # in transit from now on: other leases and reads of these blocks wait for the outcome
+            e.move = Move(MoveKind.PROMOTE, -1, e.slot)
+            self._moves.add(e.move)
+        slots = self._alloc_dram(len(promos))  # may release the lock for demotions; the prefix stays pinned
+        work: list[tuple[_Entry, Move]] = []
+        for e, dslot in zip(promos, slots, strict=False):
+            assert e.move is not None
+            e.move.dram_slot = dslot
+            work.append((e, e.move))
+        for e in promos[len(slots) :]:  # no DRAM room after all (a victim was leased meanwhile): the prefix ends
+            assert e.move is not None
+            self._settle(e, e.move)
+        cut = prefix.index(promos[len(slots)]) if len(slots) < len(promos) else len(prefix)
+        verify = [e for e in prefix[:cut] if e.tier is Tier.DRAM] if self.config.verify_dram_on_lease else []
+        bad: set[int] = set()
+        outcomes: list[Outcome] = []
+        with self._unlocked():
+            try:
+                outcomes = self._copy(work)
+            finally:
+                bad = {id(e) for e in verify if block_checksum(self.arena.view(e.slot)) != e.checksum}
+        for (e, m), outcome in zip(work, outcomes, strict=True):
+            if not self._finish_promote(e, m, outcome):
+                bad.add(id(e))
+        for e in {id(e): e for e in verify if id(e) in bad}.values():
+            e.pins -= 1
+            self._corrupted(e, "lease")
+            e.pins += 1  # undone with the rest of the cut by the caller
+        promoted = {id(e) for e in promos}
+        blocks: list[LeasedBlock] = []
+        for e in prefix[:cut]:
+            if id(e) in bad:
                 break
+            found_in = Tier.SSD if id(e) in promoted else Tier.DRAM
             self._policy[Tier.DRAM].touch(e.key)
             blocks.append(LeasedBlock(e.key, self.arena.offset(e.slot), self.config.slot_bytes, e.checksum, found_in))
             self._count("hits_dram" if found_in is Tier.DRAM else "hits_ssd")
             self.metrics.hit(found_in.value)
-        for e in prefix[len(blocks) :]:
-            e.pins -= 1
-        pinned = [e.key for e in prefix[: len(blocks)]]
-        missed = len(keys) - len(blocks)
-        self._count("misses", missed)
-        self.metrics.miss(missed)
-        lease_id = 0
-        if pinned:
-            lease_id = next(self._ids)
-            self._leases[lease_id] = _Leased(pinned, now + ttl_s)
-        self._publish_gauges()
-        return Lease(lease_id, blocks, now + ttl_s, ttl_s)
+        return blocks
 
     def release(self, lease_id: int) -> bool:
         """Unpin a lease's blocks; False if it was unknown (already released or expired)."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        self._unpin(lease.keys)
-        self._publish_gauges()
-        return True
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            self._unpin(lease.keys)
+            self._publish_gauges()
+            return True
 
     def read_block(self, key: bytes, fingerprint: str) -> bytes | None:
-        """Copy of one visible block's bytes, checksum-verified (SSD blocks read from the slab without promotion);
-        None on a miss or a checksum failure. For local readers and tests; remote readers lease and transfer."""
-        e = self._entries.get(bytes(key))
-        if e is None or e.fingerprint != fingerprint:
-            return None
-        if e.tier is Tier.DRAM:
-            data = bytes(self.arena.view(e.slot))
-        else:
-            assert self.ssd is not None  # an SSD entry implies an SSD tier
-            buf = bytearray(self.config.slot_bytes)
-            n = self.ssd.read_into(e.slot, memoryview(buf))
-            data = bytes(buf) if n == len(buf) else b""
-        if len(data) != self.config.slot_bytes or block_checksum(data) != e.checksum:
-            self._corrupted(e, "read")
-            self._publish_gauges()
-            return None
-        return data
+        """Copy of one visible block's bytes, checksum-verified (SSD blocks read from the slab without promotion,
+        with the lock released); None on a miss or a checksum failure. For local readers and tests; remote readers
+        lease and transfer."""
+        key = bytes(key)
+        with self._lock:
+            e = self._entries.get(key)
+            deadline = time.monotonic() + self.config.move_wait_s
+            while e is not None and e.tier is Tier.SSD and e.move is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None  # its copy outlasts the wait: a miss, never a wait without end
+                self._settled.wait(left)  # its slot is being promoted (and freed): read wherever it lands
+                e = self._entries.get(key)
+            if e is None or e.fingerprint != fingerprint:
+                return None
+            if e.tier is Tier.DRAM:
+                data = bytes(self.arena.view(e.slot))
+                good = block_checksum(data) == e.checksum
+            else:
+                assert self.ssd is not None  # an SSD entry implies an SSD tier
+                m = e.move = Move(MoveKind.READ, -1, e.slot)
+                self._moves.add(m)
+                outcome: Outcome = "io_error"
+                data = b""
+                with self._unlocked():
+                    outcome, data = read_copy(self.ssd, m, e.checksum)
+                if self._settle(e, m):
+                    return None  # removed meanwhile
+                good = outcome == "ok"
+            if not good:
+                self._corrupted(e, "read")
+                self._publish_gauges()
+                return None
+            return data
 
     # ------------------------------------------------------------------ maintenance
     def sweep(self, now: float | None = None) -> tuple[int, int]:
         """Expire leases and reservations whose deadline passed; returns (leases, reservations) expired."""
-        now = self._clock() if now is None else now
+        with self._lock:
+            return self._sweep(self._clock() if now is None else now)
+
+    def _sweep(self, now: float) -> tuple[int, int]:
         dead_leases = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
         for lid in dead_leases:
             self._unpin(self._leases.pop(lid).keys)
@@ -462,60 +555,84 @@ class BlockStore:
         return len(dead_leases), len(dead_res)
 
     def demote(self, keys: Sequence[bytes]) -> int:
-        """Move these unpinned DRAM blocks to SSD now (draining, tests); returns how many moved."""
-        moved = 0
-        for raw in keys:
-            e = self._entries.get(bytes(raw))
-            if e is not None and e.tier is Tier.DRAM and e.pins == 0 and self._demote(e):
-                moved += 1
-        self._publish_gauges()
-        return moved
+        """Move these unpinned DRAM blocks to SSD now (draining, tests); returns how many moved. A block leased
+        while its copy runs stays in DRAM (not counted)."""
+        with self._lock:
+            work: list[tuple[_Entry, Move]] = []
+            for raw in keys:
+                e = self._entries.get(bytes(raw))
+                if e is not None and e.tier is Tier.DRAM and e.pins == 0 and e.move is None:
+                    m = self._start_demote(e)
+                    if m is not None:
+                        work.append((e, m))
+            moved = self._run_demotions(work, for_room=False)
+            self._publish_gauges()
+            return moved
 
     def entry_info(self, key: bytes) -> EntryInfo | None:
-        e = self._entries.get(bytes(key))
-        if e is None:
-            return None
-        if e.tier is Tier.DRAM:
-            return EntryInfo(e.tier, e.slot, self.arena.offset(e.slot), "", e.checksum, e.fingerprint, e.pins)
-        assert self.ssd is not None
-        return EntryInfo(e.tier, e.slot, self.ssd.offset(e.slot), os.fspath(self.ssd.path), e.checksum,
-                         e.fingerprint, e.pins)
+        with self._lock:
+            e = self._entries.get(bytes(key))
+            if e is None:
+                return None
+            if e.tier is Tier.DRAM:
+                return EntryInfo(e.tier, e.slot, self.arena.offset(e.slot), "", e.checksum, e.fingerprint, e.pins)
+            assert self.ssd is not None
+            return EntryInfo(e.tier, e.slot, self.ssd.offset(e.slot), os.fspath(self.ssd.path), e.checksum,
+                             e.fingerprint, e.pins)
 
     def events_since(self, after_seq: int, max_events: int = 4096) -> EventBatch:
-        return self._log.since(after_seq, max_events)
+        with self._lock:
+            return self._log.since(after_seq, max_events)
 
     def snapshot(self) -> ShardSnapshot:
-        keys = list(self._entries)
-        return ShardSnapshot(
-            EVENTS_WIRE_VERSION, self.shard_id, self.epoch, self._log.seq, keys, [self._entries[k].tier for k in keys]
-        )
+        with self._lock:
+            keys = list(self._entries)
+            return ShardSnapshot(
+                EVENTS_WIRE_VERSION, self.shard_id, self.epoch, self._log.seq, keys,
+                [self._entries[k].tier for k in keys],
+            )
 
     def stats(self) -> StoreStats:
-        n_dram, n_ssd = self._held[Tier.DRAM], self._held[Tier.SSD]
-        reserved = sum(len(r.slots) for r in self._reservations.values())
-        ssd_cap = self.ssd.n_slots if self.ssd else 0
-        ssd_free = self.ssd.free_count if self.ssd else 0
-        return StoreStats(
-            shard_id=self.shard_id,
-            epoch=self.epoch,
-            slot_bytes=self.config.slot_bytes,
-            dram=TierStats(self.arena.n_slots, n_dram, self.arena.free_count),
-            ssd=TierStats(ssd_cap, n_ssd, ssd_free),
-            reserved_slots=reserved,
-            leases=len(self._leases),
-            reservations=len(self._reservations),
-            event_seq=self._log.seq,
-            counters=dict(self.counters),
-            layouts={fp: LayoutStats(self._layout_model.get(fp, ""), n[Tier.DRAM], n[Tier.SSD])
-                     for fp, n in self._by_layout.items()},
-        )
+        with self._lock:
+            n_dram, n_ssd = self._held[Tier.DRAM], self._held[Tier.SSD]
+            reserved = sum(len(r.slots) for r in self._reservations.values())
+            ssd_cap = self.ssd.n_slots if self.ssd else 0
+            ssd_free = self.ssd.free_count if self.ssd else 0
+            moving_dram, moving_ssd = self._in_transit()
+            return StoreStats(
+                shard_id=self.shard_id,
+                epoch=self.epoch,
+                slot_bytes=self.config.slot_bytes,
+                dram=TierStats(self.arena.n_slots, n_dram, self.arena.free_count, moving_dram),
+                ssd=TierStats(ssd_cap, n_ssd, ssd_free, moving_ssd),
+                reserved_slots=reserved,
+                leases=len(self._leases),
+                reservations=len(self._reservations),
+                event_seq=self._log.seq,
+                counters=dict(self.counters),
+                layouts={fp: LayoutStats(self._layout_model.get(fp, ""), n[Tier.DRAM], n[Tier.SSD])
+                         for fp, n in self._by_layout.items()},
+            )
 
-    def close(self) -> None:
-        if self.ssd is not None:
-            self.ssd.close()
-        self.arena.close()
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Close the tiers once no copy runs (waiting at most ``timeout_s`` for those in flight)."""
+        with self._lock:
+            if not self._settled.wait_for(lambda: not self._moves, timeout_s):
+                log.warning("store %s: closing with %d tier move(s) still in flight", self.shard_id, len(self._moves))
+            if self.ssd is not None:
+                self.ssd.close()
+            self.arena.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ internals (the lock held)
+    @contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Release the store lock for a copy; re-taken however the copy ends."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
 
@@ -529,6 +646,15 @@ class BlockStore:
         if not per[Tier.DRAM] and not per[Tier.SSD]:
             del self._by_layout[e.fingerprint]
 
+    def _prefix(self, keys: list[bytes], fingerprint: str) -> list[_Entry]:
+        prefix: list[_Entry] = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.fingerprint != fingerprint:
+                break
+            prefix.append(e)
+        return prefix
+
     def _unpin(self, keys: list[bytes]) -> None:
         for key in keys:
             e = self._entries.get(key)
@@ -537,36 +663,46 @@ class BlockStore:
 
     def _evictable(self, key: bytes) -> bool:
         e = self._entries.get(key)
-        return e is not None and e.pins == 0
+        return e is not None and e.pins == 0 and e.move is None
 
     def _servable(self, prefix: list[_Entry]) -> int:
-        """Longest m such that the SSD blocks of prefix[:m] fit in DRAM: free slots plus unpinned DRAM blocks
-        outside prefix[:m] (the need grows and the supply shrinks with m, so the first overflow decides)."""
+        """Longest m such that the SSD blocks of prefix[:m] fit in DRAM: free slots plus unpinned DRAM blocks not in
+        transit outside prefix[:m] (the need grows and the supply shrinks with m, so the first overflow decides)."""
         n_ssd = sum(1 for e in prefix if e.tier is Tier.SSD)
         free = self.arena.free_count
         if n_ssd <= free:
             return len(prefix)
-        supply = free + sum(1 for e in self._entries.values() if e.tier is Tier.DRAM and e.pins == 0)
+        supply = free + sum(1 for e in self._entries.values()
+                            if e.tier is Tier.DRAM and e.pins == 0 and e.move is None)
         need = 0
         for i, e in enumerate(prefix):
             if e.tier is Tier.SSD:
                 need += 1
-            elif e.pins == 0:
+            elif e.pins == 0 and e.move is None:
                 supply -= 1  # a block of this lease cannot make room for it
             if need > supply:
                 return i
         return len(prefix)
 
     def _alloc_dram(self, n: int) -> list[int]:
-        """Up to ``n`` DRAM slots, demoting (or evicting) unpinned LRU DRAM blocks to make room."""
+        """Up to ``n`` DRAM slots, demoting (or evicting) unpinned LRU DRAM blocks to make room; the lock is released
+        while the demotions' SSD writes run."""
         slots = self.arena.alloc(n)
         short = n - len(slots)
-        if short > 0:
-            for key in self._policy[Tier.DRAM].victims(short, self._evictable):
-                e = self._entries[key]
-                if not self._demote(e):
-                    self._drop(e, evicted=True)
-            slots += self.arena.alloc(short)
+        if short <= 0:
+            return slots
+        work: list[tuple[_Entry, Move]] = []
+        for key in self._policy[Tier.DRAM].victims(short, self._evictable):
+            e = self._entries[key]
+            m = self._start_demote(e)
+            if m is None:
+                self._drop(e, evicted=True)  # no SSD room (or no SSD tier): its slot is free now
+            else:
+                work.append((e, m))
+        slots += self.arena.alloc(n - len(slots))
+        if work:
+            self._run_demotions(work, for_room=True)
+            slots += self.arena.alloc(n - len(slots))
         return slots
 
     def _alloc_ssd(self) -> int | None:
@@ -579,16 +715,67 @@ class BlockStore:
             got = self.ssd.alloc(1)
         return got[0] if got else None
 
-    def _demote(self, e: _Entry) -> bool:
-        """DRAM → SSD; False when there is no SSD room (caller decides to drop)."""
+    def _copy(self, work: list[tuple[_Entry, Move]]) -> list[Outcome]:
+        """Run the copies of ``work`` (call with the lock released); every move gets an outcome."""
+        outcomes: list[Outcome] = []
+        try:
+            for e, m in work:
+                assert self.ssd is not None  # a move implies an SSD tier
+                if m.kind is MoveKind.DEMOTE:
+                    outcomes.append(copy_out(self.arena, self.ssd, m))
+                else:
+                    outcomes.append(copy_in(self.arena, self.ssd, m, e.checksum))
+        finally:
+            outcomes += ["io_error"] * (len(work) - len(outcomes))
+        return outcomes
+
+    def _start_demote(self, e: _Entry) -> Move | None:
+        """Plan DRAM → SSD: an SSD slot for ``e`` (evicting SSD victims), ``e`` in transit. None: no SSD room."""
         slot = self._alloc_ssd()
         if slot is None:
+            return None
+        m = e.move = Move(MoveKind.DEMOTE, e.slot, slot)
+        self._moves.add(m)
+        return m
+
+    def _run_demotions(self, work: list[tuple[_Entry, Move]], *, for_room: bool) -> int:
+        """Copy with the lock released, then finish each demotion; returns how many moved."""
+        if not work:
+            return 0
+        outcomes: list[Outcome] = []
+        with self._unlocked():
+            outcomes = self._copy(work)
+        return sum(self._finish_demote(e, m, o, for_room=for_room) for (e, m), o in zip(work, outcomes, strict=True))
+
+    def _settle(self, e: _Entry, m: Move) -> bool:
+        """End move ``m`` of ``e``; True if ``e`` was removed meanwhile (its slots, all ``m``'s, are freed here)."""
+        self._moves.discard(m)
+        if e.move is m:
+            e.move = None
+        self._settled.notify_all()
+        if not m.dropped:
+            return False
+        if m.dram_slot >= 0:
+            self.arena.free([m.dram_slot])
+        if m.ssd_slot >= 0:
+            assert self.ssd is not None
+            self.ssd.free([m.ssd_slot])
+        return True
+
+    def _finish_demote(self, e: _Entry, m: Move, outcome: Outcome, *, for_room: bool) -> bool:
+        """Switch ``e`` to SSD if its copy is good and nobody leased it meanwhile; else give the SSD slot back (and,
+        when the slot was wanted for room, evict an unpinned block whose copy failed)."""
+        if self._settle(e, m):
             return False
         assert self.ssd is not None
-        self.ssd.write(slot, self.arena.view(e.slot))
+        if outcome != "ok" or e.pins:
+            self.ssd.free([m.ssd_slot])
+            if outcome != "ok" and for_room and not e.pins:
+                self._drop(e, evicted=True)
+            return False
         self.arena.free([e.slot])
         self._policy[Tier.DRAM].remove(e.key)
-        e.tier, e.slot = Tier.SSD, slot
+        e.tier, e.slot = Tier.SSD, m.ssd_slot
         self._hold(e, Tier.DRAM, -1)
         self._hold(e, Tier.SSD, +1)
         self._policy[Tier.SSD].insert(e.key, float(self.config.slot_bytes))
@@ -597,23 +784,21 @@ class BlockStore:
         self.metrics.demoted()
         return True
 
-    def _promote(self, e: _Entry) -> bool:
-        """SSD → DRAM for a lease, checksum verified; False when there is no DRAM room or the bytes are bad."""
-        assert self.ssd is not None and e.tier is Tier.SSD
-        got = self._alloc_dram(1)
-        if not got:
+    def _finish_promote(self, e: _Entry, m: Move, outcome: Outcome) -> bool:
+        """Switch ``e`` to its verified DRAM copy; else give the DRAM slot back and treat ``e`` as corrupted (an
+        unreadable block is never data either)."""
+        if self._settle(e, m):
             return False
-        dslot = got[0]
-        n = self.ssd.read_into(e.slot, self.arena.view(dslot))
-        if n != self.config.slot_bytes or block_checksum(self.arena.view(dslot)) != e.checksum:
-            self.arena.free([dslot])
-            e.pins -= 1  # ours; SSD entries carry no other pins (leased blocks live in DRAM)
+        assert self.ssd is not None and e.tier is Tier.SSD
+        if outcome != "ok":
+            self.arena.free([m.dram_slot])
+            e.pins -= 1  # ours; SSD entries carry no other pins (leases of a block in transit wait for it)
             self._corrupted(e, "lease")
             e.pins += 1  # the caller undoes its own pin
             return False
         self.ssd.free([e.slot])
         self._policy[Tier.SSD].remove(e.key)
-        e.tier, e.slot = Tier.DRAM, dslot
+        e.tier, e.slot = Tier.DRAM, m.dram_slot
         self._hold(e, Tier.DRAM, +1)
         self._hold(e, Tier.SSD, -1)
         self._policy[Tier.DRAM].insert(e.key, float(self.config.slot_bytes))
@@ -621,6 +806,20 @@ class BlockStore:
         self._count("promotions")
         self.metrics.promoted()
         return True
+
+    def _in_transit(self) -> tuple[int, int]:
+        """(DRAM, SSD) slots held by moves in flight that are no visible entry's own slot."""
+        dram = ssd = 0
+        for m in self._moves:
+            if m.kind is MoveKind.DEMOTE:
+                ssd += 1
+                dram += m.dropped
+            elif m.kind is MoveKind.PROMOTE:
+                dram += m.dram_slot >= 0
+                ssd += m.dropped
+            else:
+                ssd += m.dropped
+        return dram, ssd
 
     def _corrupted(self, e: _Entry, stage: str) -> None:
         """Count a checksum failure; drop the entry unless another lease still pins it (its holder has the
@@ -632,8 +831,11 @@ class BlockStore:
             self._drop(e, evicted=False)
 
     def _drop(self, e: _Entry, *, evicted: bool) -> None:
-        """Remove an entry from its tier and the index (event ``REMOVED``)."""
-        if e.tier is Tier.DRAM:
+        """Remove an entry from its tier and the index (event ``REMOVED``). An entry in transit keeps its slot until
+        its move finishes (the copy may be using it)."""
+        if e.move is not None:
+            e.move.dropped = True
+        elif e.tier is Tier.DRAM:
             self.arena.free([e.slot])
         else:
             assert self.ssd is not None
@@ -654,3 +856,11 @@ class BlockStore:
         self.metrics.set_active(len(self._leases), len(self._reservations))
         self.metrics.set_layouts({(self._layout_model.get(fp, ""), fp, tier.value): n
                                   for fp, per in self._by_layout.items() for tier, n in per.items()})
+
+
+def _first_moving_ssd(prefix: list[_Entry]) -> int | None:
+    """Index of the first SSD block of ``prefix`` another call is copying (promoting or reading), or None."""
+    for i, e in enumerate(prefix):
+        if e.tier is Tier.SSD and e.move is not None:
+            return i
+    return None

@@ -18,9 +18,11 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
   tests and draining read ``entry_info`` and call ``demote``.
 
-A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``);
-one lock serializes the store. Lease and reservation expiry run on a background sweeper thread every
-``sweep_interval_s``, so expiry does not wait for the next request. ``pull`` runs in its own concurrency group
+A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``)
+and calls its store without a lock of its own: the store is thread-safe (``kvpool.store``: its lock covers metadata
+only; SSD reads and writes and lease checksums run outside it, so a slow disk stalls only the calls that wait on
+that block). Lease and reservation expiry run on a background sweeper thread every ``sweep_interval_s``, so expiry
+does not wait for the next request. ``pull`` runs in its own concurrency group
 (``PULL_CONCURRENCY`` threads; more pulls queue there): a pull waits on its source for up to its deadline, and
 pulls stuck on a frozen source must not starve ``lookup`` / ``lease`` of the connectors.
 """
@@ -83,7 +85,6 @@ class PoolShard:
         self.metrics = PoolMetrics(cfg.shard_id)
         self._secret = pool_secret()  # the cluster secret of this process (kvpool.secret): the write path needs it
         self.store = BlockStore(cfg.store, shard_id=cfg.shard_id, metrics=self.metrics)
-        self._lock = threading.Lock()
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
@@ -107,9 +108,7 @@ class PoolShard:
             self.shm = ShmEndpoint(self.agent_name)
             if self.shm.register_shared(self.store.arena.buffer, self.store.arena.fd) != self.region_id:
                 raise RuntimeError("shared-memory region id differs from the transfer endpoint's")
-        self._puller = Puller(
-            self.store, self._lock, self.endpoint, self.region_id, named_shard_resolver(cfg.registry_namespace)
-        )
+        self._puller = Puller(self.store, self.endpoint, self.region_id, named_shard_resolver(cfg.registry_namespace))
         self._http: Any = None
         if cfg.metrics_port > 0:
             from prometheus_client import start_http_server
@@ -122,8 +121,7 @@ class PoolShard:
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.config.sweep_interval_s):
             try:
-                with self._lock:
-                    self.store.sweep()
+                self.store.sweep()
             except Exception:  # keep sweeping; a failing sweep is logged, never fatal
                 log.exception("shard %s: sweep failed", self.config.shard_id)
 
@@ -153,26 +151,22 @@ class PoolShard:
 
     def lookup(self, raw: bytes) -> bytes:
         req = decode(raw, LookupRequest)
-        with self._lock:
-            res = self.store.lookup(req.keys, req.fingerprint)
+        res = self.store.lookup(req.keys, req.fingerprint)
         return encode(LookupReply(self.config.shard_id, self.store.epoch, res))
 
     def lease(self, raw: bytes) -> bytes:
         req = decode(raw, LeaseRequest)
-        with self._lock:
-            lease = self.store.lease(req.keys, req.fingerprint, req.ttl_s)
+        lease = self.store.lease(req.keys, req.fingerprint, req.ttl_s)
         return encode(LeaseReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, lease))
 
     def touch(self, raw: bytes) -> bytes:
         """``TouchRequest`` → ``CountReply``: how many of its keys are held here (callers usually do not wait)."""
         req = decode(raw, TouchRequest)
-        with self._lock:
-            return encode(CountReply(self.store.touch(req.keys, req.fingerprint)))
+        return encode(CountReply(self.store.touch(req.keys, req.fingerprint)))
 
     def release(self, raw: bytes) -> bytes:
         req = decode(raw, ReleaseRequest)
-        with self._lock:
-            ok = self.store.release(req.lease_id)
+        ok = self.store.release(req.lease_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
     def _check_write(self, got: bytes, op: str, reservation_id: int = 0) -> None:
@@ -184,8 +178,7 @@ class PoolShard:
     def reserve(self, raw: bytes) -> bytes:
         req = decode(raw, ReserveRequest)
         self._check_write(req.proof, "reserve")
-        with self._lock:
-            res = self.store.reserve(req.n)
+        res = self.store.reserve(req.n)
         return encode(
             ReserveReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, res)
         )
@@ -195,24 +188,20 @@ class PoolShard:
         if req.checksum_algo != CHECKSUM_ALGO:
             raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
         self._check_write(req.proof, "commit", req.reservation_id)
-        with self._lock:
-            res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)
+        res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)
         return encode(CommitReply(self.config.shard_id, self.store.epoch, res))
 
     def abort(self, raw: bytes) -> bytes:
         req = decode(raw, AbortRequest)
-        with self._lock:
-            ok = self.store.abort(req.reservation_id)
+        ok = self.store.abort(req.reservation_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
     def events_since(self, raw: bytes) -> bytes:
         req = decode(raw, EventsRequest)
-        with self._lock:
-            return encode(self.store.events_since(req.after_seq, req.max_events))
+        return encode(self.store.events_since(req.after_seq, req.max_events))
 
     def snapshot(self) -> bytes:
-        with self._lock:
-            return encode(self.store.snapshot())
+        return encode(self.store.snapshot())
 
     @ray.method(concurrency_group="pull")
     def pull(self, raw: bytes) -> bytes:
@@ -221,8 +210,7 @@ class PoolShard:
         return encode(self._puller.pull(req))
 
     def stats(self) -> bytes:
-        with self._lock:
-            st = self.store.stats()
+        st = self.store.stats()
         return encode(StatsReply(msgspec.structs.replace(st, counters={**st.counters, **self._puller.counters()})))
 
     def metrics_text(self) -> bytes:
@@ -230,14 +218,12 @@ class PoolShard:
 
     def entry_info(self, key: bytes) -> bytes:
         """Where one block lies (tests and debugging; e.g. the slab path and offset of an SSD block)."""
-        with self._lock:
-            return encode(EntryReply(self.store.entry_info(key)))
+        return encode(EntryReply(self.store.entry_info(key)))
 
     def demote(self, raw: bytes) -> bytes:
         """``DemoteRequest`` → ``CountReply``: move these unpinned DRAM blocks to SSD now (draining, tests)."""
         req = decode(raw, DemoteRequest)
-        with self._lock:
-            return encode(CountReply(self.store.demote(req.keys)))
+        return encode(CountReply(self.store.demote(req.keys)))
 
     def close(self) -> None:
         """Stop the sweeper, close the endpoint and the store. Idempotent; the actor can be killed afterwards."""
@@ -253,8 +239,7 @@ class PoolShard:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
-        with self._lock:
-            self.store.close()
+        self.store.close()
 
 
 PoolShardActor = ray.remote(concurrency_groups={"pull": PULL_CONCURRENCY})(PoolShard)

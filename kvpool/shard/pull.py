@@ -6,8 +6,8 @@ replica for the router's SPLIT action (the tail of a prefix is pulled into the s
 vLLM computes the head; vLLM's connector then loads it from that local shard), and anyone who wants blocks
 replicated onto a node. The source is reached through ``kvpool.shard.client.ShardClient`` (``ActorSource``).
 
-Mechanism, on the target shard (one actor thread per pull; the store lock is held only around store calls, never
-while a Ray call or a transfer waits):
+Mechanism, on the target shard (one actor thread per pull; the store is thread-safe and locks itself only inside its
+own calls, never while a Ray call or a transfer waits):
 1. Keys this shard already holds under the fingerprint are skipped (``present``).
 2. The source is resolved by id (``named_shard_resolver``: ``kvpool.shard.registry.find_shard``) and cached
    per id; a cached handle that turns out dead is dropped and resolved once more within the deadline.
@@ -172,15 +172,13 @@ class Puller:
     def __init__(
         self,
         store: BlockStore,
-        lock: threading.Lock,
         endpoint: TransferEndpoint | None,
         region_id: int,
         resolve: Resolver,
         *,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.store = store
-        self._lock = lock  # the shard's store lock
+        self.store = store  # thread-safe on its own (kvpool.store)
         self.endpoint = endpoint
         self.region_id = region_id
         self._resolve = resolve
@@ -204,8 +202,7 @@ class Puller:
         t0 = self._clock()
         deadline = t0 + min(req.deadline_s, self.store.config.reservation_ttl_s)
         keys = [bytes(k) for k in req.keys]
-        with self._lock:
-            held = self.store.held(keys, req.fingerprint)
+        held = self.store.held(keys, req.fingerprint)
         todo = [k for k, h in zip(keys, held, strict=True) if not h]
         t = _Tally(requested=len(keys), present=len(keys) - len(todo))
         if todo:
@@ -258,8 +255,7 @@ class Puller:
                 return
             if not blocks:
                 return
-            with self._lock:
-                res = self.store.reserve(len(blocks))
+            res = self.store.reserve(len(blocks))
             if res.slots:
                 reservation_id = res.reservation_id
             if len(res.slots) < len(blocks):
@@ -284,9 +280,8 @@ class Puller:
             ok = sorted(result.ok)
             if not ok:
                 return
-            with self._lock:
-                out = self.store.commit(res.reservation_id, [blocks[i].key for i in ok],
-                                        [blocks[i].checksum for i in ok], req.fingerprint, slot_index=ok)
+            out = self.store.commit(res.reservation_id, [blocks[i].key for i in ok],
+                                    [blocks[i].checksum for i in ok], req.fingerprint, slot_index=ok)
             reservation_id = None
             t.pulled += len(out.committed)
             t.present += len(out.duplicate)  # committed meanwhile by another writer
@@ -303,8 +298,7 @@ class Puller:
             t.errors.append(f"internal error: {type(exc).__name__}: {exc}")
         finally:
             if reservation_id is not None:
-                with self._lock:
-                    self.store.abort(reservation_id)
+                self.store.abort(reservation_id)
             if lease_id and source is not None:
                 try:
                     source.release(lease_id, remaining())

@@ -38,7 +38,6 @@ class StoreSource(PullSource):
         self.leased: list[list[bytes]] = []  # keys of every lease asked for
         self.released: list[int] = []
         self.metadata_calls = 0
-        self._lock = threading.Lock()
 
     def _enter(self, deadline_s: float) -> None:
         if self.mode == "dead":
@@ -52,16 +51,14 @@ class StoreSource(PullSource):
         if self.mode == "refuse":
             raise PullSourceError(f"source shard {self.shard_id}.lease refused: ttl too long (fake)")
         self.leased.append(list(keys))
-        with self._lock:
-            lease = self.store.lease(keys, fingerprint, ttl_s)
+        lease = self.store.lease(keys, fingerprint, ttl_s)  # the store is thread-safe
         return LeaseReply(self.shard_id, self.store.epoch, self.agent_name, self.region_id, lease)
 
     def release(self, lease_id: int, deadline_s: float) -> bool:
         if self.mode in ("dead", "frozen"):
             return False
         self.released.append(lease_id)
-        with self._lock:
-            return self.store.release(lease_id)
+        return self.store.release(lease_id)
 
     def transfer_metadata(self, deadline_s: float) -> bytes:
         self._enter(deadline_s)

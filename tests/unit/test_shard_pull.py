@@ -10,7 +10,6 @@ with ``slot_index`` and ``BlockStore.held``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -65,7 +64,7 @@ class Pair:
             region = self.endpoint.register(self.dst.arena.buffer)
         self.resolved: list[str] = []
         self.resolve: Callable[[str], StoreSource] = self._resolve
-        self.puller = Puller(self.dst, threading.Lock(), self.endpoint, region, lambda sid: self.resolve(sid))
+        self.puller = Puller(self.dst, self.endpoint, region, lambda sid: self.resolve(sid))
 
     def _resolve(self, shard_id: str) -> StoreSource:
         self.resolved.append(shard_id)
