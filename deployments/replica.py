@@ -12,8 +12,9 @@ Who calls what:
   with them.
 - After a request's first token, the pool blocks of the prefix the engine reused are touched in this node's shard
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
-- A request's fetch plan travels on to the connector as a hint (the shard to look up first); a ``split`` request
-  first has its head computed and its tail staged on this node (``deployments.split_staging``).
+- A request's fetch plan travels on to the connector as a hint (the shard to look up first); a HOLDER or RECOMPUTE
+  of a policy that plans the pool loads (``pool_planned``) tells it to load nothing (no lookup to wait for); a
+  ``split`` request first has its head computed and its tail staged on this node (``deployments.split_staging``).
 - Every request's first chunk carries its ``router.wire.ReplicaTimeline`` (the replica's preparation and vLLM's own
   queued / scheduled / first-token timestamps), its last chunk what its pool calls cost on vLLM's scheduler thread
   (``kvpool.connector.timing``, from the final output's ``kv_transfer_params``).
@@ -72,6 +73,7 @@ from router.wire import (
 log = logging.getLogger("kvstack.replica")
 
 SPLIT_STAGING_DEADLINE_S = 60.0  # computing a SPLIT's head and staging its tail on this node, at most
+NO_POOL_LOAD = ("holder", "recompute")  # with a policy that plans the pool loads, these load nothing from it
 
 
 class HbmPrefixLedger:
@@ -127,19 +129,23 @@ class HbmPrefixLedger:
         return list(self._keys)
 
 
-def engine_sampling_params(raw: bytes, kv_shard_hint: str | None = None) -> Any:
+def engine_sampling_params(raw: bytes, kv_shard_hint: str | None = None, *, load_nothing: bool = False) -> Any:
     """The engine's ``SamplingParams``: the ingress's (vLLM's own request conversion, ``router.wire``), streamed as
     deltas whatever the client asked (the ingress merges them), with ``kv_shard_hint`` — the pool shard the kvpool
-    connector should look up first (the router's plan) — added to the request's ``kv_transfer_params``."""
+    connector should look up first (the router's plan) — or ``load_nothing`` (the router planned no pool load: a
+    HOLDER or RECOMPUTE of a policy that prices the pool; the connector then does not look the request up, and
+    still saves its blocks) in the request's ``kv_transfer_params``."""
     from vllm.sampling_params import RequestOutputKind
 
-    from kvpool.connector.scheduler import PLAN_PARAM
+    from kvpool.connector.scheduler import NO_LOAD_PARAM, PLAN_PARAM
 
     params = decode_sampling_params(raw)
     params.output_kind = RequestOutputKind.DELTA
     extra = dict(params.extra_args or {})
     extra.pop("kv_transfer_params", None)  # only kvstack's own (the ingress refuses clients' kv_transfer_params)
-    if kv_shard_hint:
+    if load_nothing:
+        extra["kv_transfer_params"] = {NO_LOAD_PARAM: True}
+    elif kv_shard_hint:
         extra["kv_transfer_params"] = {PLAN_PARAM: kv_shard_hint}
     params.extra_args = extra or None
     return params
@@ -324,7 +330,8 @@ class VLLMReplica:
         try:
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
-            params = engine_sampling_params(request.sampling_params, kv_shard_hint=hint)
+            params = engine_sampling_params(request.sampling_params, kv_shard_hint=hint,
+                                            load_nothing=request.pool_planned and request.action in NO_POOL_LOAD)
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
             async for out in self.engine.generate(prompt, params, request.request_id, priority=request.priority,
                                                   reasoning_ended=request.reasoning_ended,

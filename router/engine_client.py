@@ -153,7 +153,7 @@ class RoutedEngineClient(EngineClient):
             sampling_params=encode_sampling_params(sampling_params), priority=priority,
             reasoning_ended=reasoning_ended, reasoning_parser_kwargs=reasoning_parser_kwargs,
             target_replica=routed.target_replica, action=routed.action, fetch_plan=routed.fetch_plan,
-            planned_reuse_tokens=routed.planned_reuse_tokens,
+            planned_reuse_tokens=routed.planned_reuse_tokens, pool_planned=routed.pool_planned,
         )
         text = prompt_text if prompt_text is not None else prompt.get("prompt")
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY

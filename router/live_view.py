@@ -64,6 +64,7 @@ class Routed:
     fetch_plan: FetchPlanMsg | None
     request_id: str
     planned_reuse_tokens: int = 0  # the decision's reused prompt tokens (the replica's queue model counts the rest)
+    pool_planned: bool = False  # the policy planned the pool loads (``RoutingPolicy.plans_pool_loads``)
 
 
 class LiveView:
@@ -286,7 +287,7 @@ class LiveView:
             f = record.fetch
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
         return (Routed(record, record.replica_id, cast(ActionName, record.action.value), plan, request_id,
-                       record.hbm_tokens + record.fetched_tokens), list(keys))
+                       record.hbm_tokens + record.fetched_tokens, self.runner.policy.plans_pool_loads), list(keys))
 
     def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk, ingress_s: float = 0.0) -> None:
         """Actual TTFT: regret and prediction error (runner), the request's timeline (``ingress_s``: its time in

@@ -89,6 +89,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     action: ActionName = "recompute"
     fetch_plan: FetchPlanMsg | None = None
     planned_reuse_tokens: int = 0  # prompt tokens the decision expects the engine not to compute (HBM + fetched)
+    pool_planned: bool = False  # the policy planned the pool loads: a holder / recompute loads nothing from the pool
 
 
 class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):

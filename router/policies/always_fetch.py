@@ -25,6 +25,7 @@ from router.policies.pricing import Pricer, TierMap, fetch_candidate, local_cand
 
 class AlwaysFetch(RoutingPolicy):
     name: ClassVar[str] = "always_fetch"
+    plans_pool_loads: ClassVar[bool] = True
 
     def __init__(self, *, rng: random.Random, tier_map: TierMap) -> None:
         self._rng = rng

@@ -172,6 +172,11 @@ class RoutingPolicy(ABC):
     #: (anti-herding). Policies whose order means something else (round robin, pow-2 on load) leave it False and
     #: break their own ties.
     tie_break: ClassVar[bool] = False
+    #: True when the policy prices pool fetches against the HBM and recomputing: its decision is then the load
+    #: plan, and a HOLDER or RECOMPUTE means "load nothing from the pool" — the replica tells the connector not to
+    #: look the request up (no lookup round trip before vLLM may schedule it). Policies that leave the pool to the
+    #: connector (round robin, prefix affinity) keep False: the connector looks up every request.
+    plans_pool_loads: ClassVar[bool] = False
 
     @abstractmethod
     def rank(self, request: RouteRequest, cluster: ClusterSnapshot) -> Ranking:

@@ -314,6 +314,7 @@ def hold_back(
 
 class CostBased(RoutingPolicy):
     name: ClassVar[str] = "cost_based"
+    plans_pool_loads: ClassVar[bool] = True
     tie_break: ClassVar[bool] = True
 
     def __init__(

@@ -86,3 +86,32 @@ def test_the_calibration_fits_the_engines_prefill_and_the_path_apart() -> None:
     assert view.calibrator.overhead_s("r1") == pytest.approx(path_s, abs=1e-3)
     state = view.book.states(time.monotonic())[0]
     assert state.queue_delay_s == pytest.approx(path_s, abs=1e-3)  # nothing waiting there: the path only
+
+
+@pytest.mark.parametrize(("policy", "planned"), [("cost_based", True), ("always_fetch", True),
+                                                 ("round_robin", False), ("prefix_affinity", False)])
+def test_a_policy_that_prices_the_pool_plans_its_loads(policy: str, planned: bool) -> None:
+    """cost_based's HOLDER / RECOMPUTE means "nothing from the pool": the replica then tells the connector to load
+    nothing (no lookup to wait for before vLLM schedules the request); a policy that leaves the pool to the
+    connector does not, and the connector looks every request up."""
+    from deployments.replica import NO_POOL_LOAD, engine_sampling_params
+    from kvpool.connector.scheduler import NO_LOAD_PARAM, PLAN_PARAM
+    from router.wire import encode_sampling_params
+    from vllm import SamplingParams
+
+    import random
+
+    from router.policies.runner import make_policy
+
+    view = make_view()
+    if policy != "cost_based":
+        view.runner.policy = make_policy(policy, rng=random.Random(0), tier_map=view.tier_map)
+    view.apply(PollReply(cursor=1, reports=[ReplicaReport(replica_id="r1", node_id="node-a", seq=1, running=0,
+                                                          waiting=0)]))
+    routed, _ = view.decide("req-1", list(range(100)))
+    assert routed.pool_planned is planned
+    raw = encode_sampling_params(SamplingParams(max_tokens=4))
+    load_nothing = routed.pool_planned and routed.action in NO_POOL_LOAD
+    params = engine_sampling_params(raw, kv_shard_hint="shard-a", load_nothing=load_nothing).extra_args
+    assert params == ({"kv_transfer_params": {NO_LOAD_PARAM: True}} if planned
+                      else {"kv_transfer_params": {PLAN_PARAM: "shard-a"}})
