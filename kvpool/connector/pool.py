@@ -37,11 +37,19 @@ class KnownPeers:
     With a ``same_host`` endpoint (``kvpool.transfer.shm``) it also maps the shards that export their arena to this
     host: ``ensure(..., fetch_same_host=...)`` tries once per shard epoch (a refusal — another host, no export, an old
     shard — is logged and remembered: that epoch goes through ``endpoint``), and ``endpoint_for`` names the endpoint
-    to move a shard's bytes with. Buffers are registered with both (``register``: the same region id in each)."""
+    to move a shard's bytes with. Buffers are registered with both (``register``: the same region id in each).
 
-    def __init__(self, endpoint: Any, same_host: Any = None) -> None:
+    ``fence()`` (after a transfer that reported ``settled=False``: it may still land) closes the transfer endpoint —
+    destroying its agent ends every transfer it started — and replaces it with ``remake()``, the same buffers
+    registered under the same region ids, every shard's metadata to be fetched again. Shared memory copies are
+    synchronous: ``same_host`` is kept."""
+
+    def __init__(self, endpoint: Any, same_host: Any = None, remake: Any = None) -> None:
         self._endpoint = endpoint
         self._same_host = same_host
+        self._remake = remake  # () -> a new transfer endpoint (``fence``)
+        self._buffers: list[tuple[int, memoryview]] = []  # (region id, buffer) in order (``fence`` registers again)
+        self.fences = 0
         self._epochs: dict[str, str] = {}  # agent name -> shard epoch whose metadata the endpoint holds
         self._shared: dict[str, str] = {}  # agent name -> shard epoch mapped through ``same_host``
         self._refused: dict[str, str] = {}  # agent name -> shard epoch ``same_host`` could not map
@@ -51,7 +59,25 @@ class KnownPeers:
         rid = self._endpoint.register(buffer)
         if self._same_host is not None and self._same_host.register(buffer) != rid:
             raise RuntimeError("the shared-memory endpoint's regions diverged from the transfer endpoint's")
+        self._buffers.append((rid, buffer))
         return rid
+
+    @property
+    def transfer_endpoint(self) -> Any:
+        return self._endpoint
+
+    def fence(self) -> None:
+        """End every transfer the transfer endpoint started (see the class doc); returns once none can land."""
+        if self._remake is None:
+            raise RuntimeError("KnownPeers.fence needs a remake() for its transfer endpoint")
+        old, self._endpoint = self._endpoint, None
+        old.close()
+        self._endpoint = fresh = self._remake()
+        for rid, buffer in self._buffers:
+            if fresh.register(buffer) != rid:
+                raise RuntimeError("a fenced endpoint's regions diverged from the old one's")
+        self._epochs.clear()
+        self.fences += 1
 
     def ensure(self, agent_name: str, epoch: str, fetch_metadata: Any, fetch_same_host: Any = None) -> None:
         """Trust the shard's current transfer metadata; ``fetch_metadata()`` returns its encoded metadata and

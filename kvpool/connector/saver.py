@@ -56,6 +56,7 @@ class SaveStats:
     write_seconds: float = 0.0
     job_seconds: float = 0.0  # reserve + write + commit, on the saver's thread
     queue_max: int = 0  # most jobs waiting at once
+    save_fences: int = 0  # writes that might still land after their deadline: the endpoint was closed and remade
 
 
 @dataclass
@@ -227,6 +228,9 @@ class BlockSaver:
             self.stats.bytes_written += result.bytes_moved
             if endpoint.backend == "shm":
                 self.stats.bytes_written_shm += result.bytes_moved
+            if not result.settled:  # the late write may still land in the reserved slots: end it before they are
+                self._peers.fence()  # committed (checked) or given back
+                self.stats.save_fences += 1
             commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint, model=self.model)
             reservation_id = None
             self._report(job, [job.keys[i] for i in commit.committed + commit.duplicate],

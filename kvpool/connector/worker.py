@@ -72,6 +72,7 @@ class WorkerStats:
     bytes_read: int = 0
     bytes_read_shm: int = 0  # of bytes_read: through shared memory (the own node's shard, kvpool.transfer.shm)
     read_seconds: float = 0.0
+    load_fences: int = 0  # reads that might still land after their deadline: the endpoint was closed and remade
 
 
 def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint:
@@ -145,7 +146,8 @@ class WorkerSide:
             return
         self._check_local_slot(geometry.slot_bytes_needed)
         self.endpoint = make_client_endpoint(self.cfg, self.agent_name)
-        self.peers = KnownPeers(self.endpoint, make_same_host_endpoint(self.cfg, self.agent_name))
+        self.peers = KnownPeers(self.endpoint, make_same_host_endpoint(self.cfg, self.agent_name),
+                                remake=lambda: make_client_endpoint(self.cfg, self.agent_name))
         by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
         for ptr, nbytes in storages:
             storage = by_ptr[ptr].untyped_storage()
@@ -158,7 +160,8 @@ class WorkerSide:
             # its own clients (and breaker): the saver's thread shares nothing with the loads
             self.saver_shards = saver_shards = PoolShards(self.cfg)
             name = f"{self.agent_name}-saver"
-            peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name))
+            peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name),
+                               remake=lambda: make_client_endpoint(self.cfg, name))
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
                                     slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
                                     deadline_s=self.cfg.save_deadline_s, model=self.model_id)
@@ -305,7 +308,18 @@ class WorkerSide:
             for k, its in enumerate(items):
                 failed[k].update(range(len(its)))
             return 0, 0.0
-        self.shards.breaker.success(head.shard_id)
+        if not result.settled:
+            # The late read may still land in these KV blocks: end it (close the endpoint) before vLLM is told to
+            # recompute into them.
+            log.warning("kvpool connector: a read from %s may still land after its deadline: fencing the endpoint",
+                        head.shard_id)
+            self.peers.fence()
+            self.endpoint = self.peers.transfer_endpoint
+            self.stats.load_fences += 1
+        if result.failed and not result.ok:  # it served nothing (a deadline, a dead peer): skip it for a while
+            self.shards.breaker.failure(head.shard_id)
+        else:
+            self.shards.breaker.success(head.shard_id)
         self.stats.read_seconds += read_s
         self.stats.bytes_read += result.bytes_moved
         if endpoint.backend == "shm":

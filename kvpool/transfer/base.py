@@ -64,13 +64,19 @@ class BlockOp(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TransferResult(msgspec.Struct, frozen=True):
-    """Indices (into the ops list) that completed / failed, bytes moved and wall seconds."""
+    """Indices (into the ops list) that completed / failed, bytes moved and wall seconds.
+
+    ``settled``: no op of the call can still touch memory once it returned. False only when a backend could not
+    confirm that a late transfer was cancelled (NIXL refused to release its request): its local (READ) or remote
+    (WRITE) bytes may still change. The caller must fence before that memory is used again: close the endpoint
+    (``kvpool.connector.pool.KnownPeers.fence``: destroying the agent ends every transfer it started)."""
 
     ok: list[int]
     failed: list[int]
     bytes_moved: int
     seconds: float
     error: str = ""
+    settled: bool = True
 
     @property
     def all_ok(self) -> bool:

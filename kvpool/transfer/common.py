@@ -184,8 +184,9 @@ def _check_row(
         )
 
 
-def all_failed(n: int, seconds: float, error: str) -> TransferResult:
-    return TransferResult(ok=[], failed=list(range(n)), bytes_moved=0, seconds=seconds, error=error)
+def all_failed(n: int, seconds: float, error: str, *, settled: bool = True) -> TransferResult:
+    return TransferResult(ok=[], failed=list(range(n)), bytes_moved=0, seconds=seconds, error=error,
+                          settled=settled)
 
 
 def all_ok(table: OpTable, seconds: float) -> TransferResult:

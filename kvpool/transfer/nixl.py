@@ -15,9 +15,12 @@ Mechanism:
   ``L``-aligned offsets: KV blocks) use prepared descriptor lists (``prep_xfer_dlist`` once per block size and
   side, cached; ``make_prepped_xfer`` by index); anything else uses ``initialize_xfer`` with Nx3 descriptor arrays.
 - Completion is polled (``check_xfer_state``) with a short backoff until the deadline. On expiry the request is
-  released, which asks NIXL/UCX to cancel it; every op of it is reported failed. If the cancel is refused the
-  handle is kept and released again at ``close()``. The bytes of failed READ ops in local memory are undefined
-  (a cancelled transfer may have written part of them): the caller treats them as not loaded.
+  released, which asks NIXL/UCX to cancel it; every op of it is reported failed. A refused cancel is retried (the
+  request polled, then released again) for ``fence_s``; a request still not released then is kept (released again
+  at ``close()``) and the result says ``settled=False``: the transfer may still land, and the caller fences (closes
+  this endpoint: destroying the agent ends its transfers) before the memory is used again. The bytes of failed READ
+  ops in local memory are undefined (a cancelled transfer may have written part of them): the caller treats them
+  as not loaded.
 
 NIXL / UCX facts this relies on (nixl-cu12 1.5.1, measured here):
 - The UCX backend init param ``ucx_devices`` is UCX_NET_DEVICES (tests: ``"lo"``); ``ucx_error_handling_mode``
@@ -69,6 +72,8 @@ from kvpool.transfer.common import (
 )
 from kvpool.transfer.metrics import TransferMetrics, transfer_metrics
 
+log = logging.getLogger(__name__)
+
 NIXL_PAYLOAD_VERSION = 1
 _DRAM = "DRAM"
 _LOCAL = "NIXL_INIT_AGENT"
@@ -85,6 +90,7 @@ class NixlOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     prepped: bool = True  # prepared descriptor lists for uniform block batches
     max_prepped_descs: int = 1 << 20  # per side and block size; larger regions fall back to initialize_xfer
     poll_max_sleep_s: float = 0.0005  # ceiling of the completion-poll backoff
+    fence_s: float = 1.0  # a late transfer whose cancel NIXL refuses is retried this long, then reported unsettled
     python_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"  # NIXL's python logger ("nixl")
 
     def __post_init__(self) -> None:
@@ -94,6 +100,8 @@ class NixlOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("max_prepped_descs must be > 0")
         if not 0 < self.poll_max_sleep_s <= 0.1:
             raise ValueError("poll_max_sleep_s must be in (0, 0.1]")
+        if self.fence_s < 0:
+            raise ValueError("fence_s must be >= 0")
 
 
 class NixlRegion(msgspec.Struct, frozen=True, array_like=True):
@@ -373,8 +381,9 @@ class NixlEndpoint(TransferEndpoint):
         sleep = 0.0
         while state == "PROC":
             if deadline.expired():
-                self._abandon(handle)
-                return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: deadline expired")
+                settled = self._abandon(handle)
+                return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: deadline expired",
+                                  settled=settled)
             if sleep:
                 time.sleep(min(sleep, max(deadline.remaining(), 0.0)))
             sleep = min(self._options.poll_max_sleep_s, sleep * 2 if sleep else 0.00002)
@@ -382,24 +391,46 @@ class NixlEndpoint(TransferEndpoint):
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
             except self._errors as exc:
-                self._abandon(handle)
-                return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: NIXL {exc}")
+                settled = self._abandon(handle)
+                return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: NIXL {exc}",
+                                  settled=settled)
         if state == "DONE":
             self._release(handle)
             return all_ok(table, deadline.elapsed())
-        self._abandon(handle)
-        return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: transfer error")
+        settled = self._abandon(handle)
+        return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: transfer error", settled=settled)
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: Any, *, keep: bool = True) -> bool:
+        """Release a request (cancelling it if it still runs); True when NIXL took it. A refused release keeps the
+        handle for ``close()`` unless ``keep`` is False (the caller retries)."""
         with self._lock:
             try:
                 handle.release()
             except self._errors:
-                self._orphans.append(handle)
+                if keep:
+                    self._orphans.append(handle)
+                return False
+        return True
 
-    def _abandon(self, handle: Any) -> None:
-        """Cancel a transfer that is late or broken; a refused cancel keeps the handle for ``close()``."""
-        self._release(handle)
+    def _abandon(self, handle: Any) -> bool:
+        """Cancel a transfer that is late or broken: released, or retried (polled, released again) for
+        ``fence_s``; True when it is released (nothing of it can land any more), False when it is kept for
+        ``close()`` and may still land."""
+        fence = Deadline(self._options.fence_s)
+        while not self._release(handle, keep=False):
+            if fence.expired():
+                with self._lock:
+                    self._orphans.append(handle)
+                log.warning("NIXL refused to cancel a late transfer for %.1f s: reported unsettled",
+                            self._options.fence_s)
+                return False
+            time.sleep(min(0.01, max(fence.remaining(), 0.0)))
+            try:
+                with self._lock:
+                    self._agent.check_xfer_state(handle)  # progress: a finished request can be released
+            except self._errors:
+                pass
+        return True
 
     def _make_request(self, op: str, peer: _Peer, table: OpTable) -> Any:
         rows = table.rows

@@ -6,7 +6,9 @@ engines only: the tests arm a fault through the module-level ``FAULT`` and read 
 - ``FaultyKvPoolConnector``: right before the worker pulls a request's leased blocks, one armed fault fires:
   ``"kill_shard"`` kills the shard actor that holds them (a dead peer during the load), ``"corrupt"`` overwrites
   the first leased slot in the shard's arena with garbage through the worker's own transfer endpoint (bytes that
-  changed after the lease), once the background loader has finished the earlier loads. The real load path then runs
+  changed after the lease), once the background loader has finished the earlier loads; ``"unsettled"`` makes the
+  worker's next transfer read report every op failed and ``settled=False`` after the bytes moved (a late transfer
+  NIXL refused to cancel: it may still land), so the worker must fence its endpoint. The real load path then runs
   unchanged.
 - ``UnknownKindKvPoolConnector``: presents the first KV cache group to ``KvPoolConnector`` as a vLLM
   ``ChunkedLocalAttentionSpec`` (a real spec class the layout registry does not know), as an engine with such
@@ -25,6 +27,7 @@ import numpy as np
 
 from kvpool.connector.kv_connector import KvPoolConnector
 from kvpool.transfer.base import BlockOp
+from kvpool.transfer.common import all_failed
 
 FAULT: dict[str, Any] = {"mode": None, "fired": []}
 
@@ -61,6 +64,16 @@ class FaultyKvPoolConnector(KvPoolConnector):
                 )
                 if res.failed:
                     raise RuntimeError(f"fault injection could not corrupt the slot: {res}")
+            elif mode == "unsettled":
+                endpoint = worker.peers.transfer_endpoint
+                real = endpoint.read
+
+                def late(peer: str, ops: list[BlockOp], deadline_s: float) -> Any:
+                    del endpoint.read  # once
+                    real(peer, ops, deadline_s)  # the bytes land, as a late transfer's may
+                    return all_failed(len(ops), deadline_s, "injected: the cancel was refused", settled=False)
+
+                endpoint.read = late
             else:
                 raise ValueError(f"unknown fault {mode!r}")
             FAULT["fired"].append((mode, spec.req_id, spec.shard_id))

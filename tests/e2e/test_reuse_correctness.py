@@ -15,6 +15,7 @@ The tiny models are checked to be context-sensitive first, so a wrong block woul
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -349,15 +350,19 @@ def test_preempted_requests_release_and_reacquire(ctx: Ctx) -> None:
     assert not connector_stats(llm)["held_leases"] and ctx.pool.leases()["a"] == 0
 
 
-@pytest.mark.parametrize(("model", "fault"), [("dense", "kill_shard"), ("hybrid", "corrupt"), ("dense", "corrupt")])
+@pytest.mark.parametrize(("model", "fault"), [("dense", "kill_shard"), ("hybrid", "corrupt"), ("dense", "corrupt"),
+                                            ("dense", "unsettled")])
 def test_failed_load_is_recomputed(ctx: Ctx, model: str, fault: str) -> None:
-    """A shard killed right before the load (dense: vLLM gets the failed block ids) or a leased slot corrupted
-    before it is read (hybrid: the whole request is reported failed) — the request completes with the reference
-    tokens, recomputed."""
+    """A shard killed right before the load (dense: vLLM gets the failed block ids), a leased slot corrupted
+    before it is read (hybrid: the whole request is reported failed), or a NIXL read whose cancel was refused (it
+    may still land: the worker fences — closes and remakes its endpoint — before vLLM recomputes into the blocks)
+    — the request completes with the reference tokens, recomputed; after a fence the pool serves again."""
     from tests.e2e import faulty_connector
 
     node = "c" if fault == "kill_shard" else "a"
-    cfg = ctx.pool.config(local=node, nodes=(node,), model_id=f"e2e-{model}-{fault}", transfer_deadline_s=5.0)
+    extra = {"shared_memory": False} if fault == "unsettled" else {}  # the read goes through NIXL
+    cfg = ctx.pool.config(local=node, nodes=(node,), model_id=f"e2e-{model}-{fault}", transfer_deadline_s=5.0,
+                          **extra)
     ref = ctx.ref(model)  # first: computing it may switch the engine slot
     llm = ctx.engines.get(("faulty", model, fault), ctx.spec(model), cfg,
                           connector_class=("FaultyKvPoolConnector", "tests.e2e.faulty_connector"))
@@ -372,6 +377,14 @@ def test_failed_load_is_recomputed(ctx: Ctx, model: str, fault: str) -> None:
     assert w1["load_failures"] > w0["load_failures"]
     if fault == "corrupt":
         assert w1["checksum_failures"] > w0["checksum_failures"]
+    if fault == "unsettled":
+        assert w1["load_fences"] == w0["load_fences"] + 1
+        assert connector_stats(llm)["worker_breaker"]["trips"] >= 1  # a read that served nothing: skipped a while
+        time.sleep(2.5)  # the breaker's first backoff (2 s), then its probe goes through the remade endpoint
+        assert llm.reset_prefix_cache()
+        assert generate(llm, PROMPTS, MAX_TOKENS).tokens == ref  # through the remade endpoint
+        w2 = worker_stats(llm)
+        assert w2["blocks_loaded"] > w1["blocks_loaded"] and w2["load_failures"] == w1["load_failures"]
     assert not connector_stats(llm)["held_leases"]
     ctx.engines.close()
 

@@ -1,8 +1,9 @@
 """``LoopbackEndpoint``: the ``kvpool.transfer.base.TransferEndpoint`` interface over memory of this one process.
 
 Endpoints that share a ``LoopbackFabric`` reach each other's registered buffers by agent name; a fabric can mark an
-agent dead (its ops fail, like a dead peer), frozen (its ops wait out their deadline, then fail) or fail chosen op
-indices of every call (a partial failure, as TCP can report). Used where the transfer is a neighbour of what is
+agent dead (its ops fail, like a dead peer), frozen (its ops wait out their deadline, then fail), unsettled (its
+ops move the bytes, then report every op failed with ``settled=False``: a late transfer whose cancel was refused,
+as NIXL can report) or fail chosen op indices of every call (a partial failure, as TCP can report). Used where the transfer is a neighbour of what is
 tested (the shard pull: tests/unit/test_shard_pull.py, and ``tests.fakes.shard``); it follows the rules the real
 backends share, checked by running it through the transport conformance suite
 (tests/integration/test_transport_conformance.py) with the real backends.
@@ -34,6 +35,7 @@ class LoopbackFabric:
         self.dead: set[str] = set()
         self.frozen: set[str] = set()  # ops to a frozen agent wait out their deadline, then fail
         self.fail_ops: set[int] = set()
+        self.unsettled: set[str] = set()  # ops to these agents land, then are reported failed and unsettled
 
 
 class LoopbackEndpoint(TransferEndpoint):
@@ -104,6 +106,8 @@ class LoopbackEndpoint(TransferEndpoint):
             s_off, d_off = (op.remote_offset, op.local_offset) if read else (op.local_offset, op.remote_offset)
             dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
             moved += op.length
+        if peer in self.fabric.unsettled:
+            return all_failed(len(ops), deadline.elapsed(), "injected: the cancel was refused", settled=False)
         ok = [i for i in range(len(ops)) if i not in self.fabric.fail_ops]
         return TransferResult(ok, failed, moved, deadline.elapsed(), "injected" if failed else "")
 

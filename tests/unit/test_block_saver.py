@@ -139,3 +139,33 @@ def test_slot_checksum_equals_the_checksum_of_the_padded_slot() -> None:
     assert slot_checksum(pieces, SLOT) == block_checksum(padded.data)
     assert slot_checksum(pieces, BLOCK) == block_checksum(np.concatenate(pieces).data)  # no padding
     assert slot_checksum(pieces, SLOT) != slot_checksum(pieces[::-1], SLOT)  # the order counts
+
+
+def test_a_write_that_may_still_land_fences_the_endpoint_before_the_slots_are_checked(rig) -> None:
+    """A write the transport could not confirm cancelled (``settled=False``): the saver closes and remakes its
+    endpoint before it commits (the store checks every slot's bytes) or gives the slots back; the blocks count as
+    failed unless their bytes all arrived; the next save goes through the new endpoint."""
+    _, shard, store, _ = rig
+    fabric = shard.endpoint.fabric
+    made: list[LoopbackEndpoint] = []
+
+    def remake() -> LoopbackEndpoint:
+        made.append(LoopbackEndpoint(fabric, f"saver-{len(made)}"))
+        return made[-1]
+
+    from kvpool.connector.pool import KnownPeers
+
+    saver = BlockSaver(KnownPeers(remake(), remake=remake), lambda sid: shard, lambda sid: None, slot_bytes=BLOCK,
+                       staging_bytes=4 * BLOCK, deadline_s=5.0, model="tiny")
+    try:
+        fabric.unsettled.add(shard.agent_name)
+        assert saver.stage("local", FP, [(key(i), block(i)) for i in range(2)]) == 2
+        assert saver.wait_idle(10)
+        assert saver.stats.save_fences == 1 and "saver-0" not in fabric.buffers and len(made) == 2
+        fabric.unsettled.clear()
+        assert saver.stage("local", FP, [(key(5), block(5))]) == 1
+        assert saver.wait_idle(10) and saved_bytes(store, 5) is not None
+        saved, _failed = saver.take_outcomes()
+        assert key(5) in saved
+    finally:
+        saver.close()

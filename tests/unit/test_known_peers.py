@@ -79,3 +79,38 @@ def test_register_keeps_one_region_id_in_both_endpoints() -> None:
         peers.register(memoryview(np.zeros(8, dtype=np.uint8)))
     alone = KnownPeers(LoopbackEndpoint(LoopbackFabric(), "solo"))
     assert alone.register(memoryview(np.zeros(8, dtype=np.uint8))) == 0
+
+
+def test_fence_closes_the_transfer_endpoint_and_remakes_it_with_the_same_regions() -> None:
+    """After a transfer that may still land, ``fence`` ends the endpoint (its agent gone: nothing it started can
+    write) and a new one takes its place: the same buffers under the same region ids, every shard's metadata
+    fetched again; the shared-memory endpoint (synchronous copies) is kept."""
+    main_fabric, shm_fabric = LoopbackFabric(), LoopbackFabric()
+    made: list[LoopbackEndpoint] = []
+
+    def remake() -> LoopbackEndpoint:
+        made.append(LoopbackEndpoint(main_fabric, f"engine-{len(made)}"))
+        return made[-1]
+
+    first, shm = remake(), LoopbackEndpoint(shm_fabric, "engine-shm")
+    peers = KnownPeers(first, shm, remake=remake)
+    bufs = [np.zeros(64, dtype=np.uint8), np.zeros(128, dtype=np.uint8)]
+    rids = [peers.register(memoryview(b)) for b in bufs]
+    shard = _Shard(main_fabric, shm_fabric, "shard-a", "e1")
+    calls: list[int] = []
+
+    def metadata() -> bytes:
+        calls.append(1)
+        return shard.transfer_metadata()
+
+    peers.ensure("shard-a", "e1", metadata)
+    peers.fence()
+    assert "engine-0" not in main_fabric.buffers  # the old endpoint is closed
+    assert peers.transfer_endpoint is made[1] and peers.fences == 1
+    assert [len(b) for b in main_fabric.buffers["engine-1"]] == [64, 128]  # the same regions, the same ids
+    peers.ensure("shard-a", "e1", metadata)
+    assert len(calls) == 2  # the new agent learns the shard again
+    assert peers.endpoint_for("shard-a").read("shard-a", [BlockOp(0, 10, rids[1], 0, 128)], 1.0).all_ok
+    assert np.array_equal(bufs[1], shard.data[10:138])
+    with pytest.raises(RuntimeError, match="remake"):
+        KnownPeers(LoopbackEndpoint(main_fabric, "bare")).fence()
