@@ -18,7 +18,10 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
   tests and draining read ``entry_info`` and call ``demote``.
 
-A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``)
+Every call carries the cluster secret's proof (``kvpool.secret.call_proof`` for its op and this shard; a commit's
+is bound to its reservation): a call without it is refused with a ``PermissionError`` that says nothing of the shard
+and counted in ``kvstack_pool_unauthenticated_total`` — a Ray caller that does not know the secret gets no transfer
+metadata, no lookup, no lease, no slot, no event. A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``)
 and calls its store without a lock of its own: the store is thread-safe (``kvpool.store``: its lock covers metadata
 only; SSD reads and writes and lease checksums run outside it, so a slow disk stalls only the calls that wait on
 that block). Lease and reservation expiry run on a background sweeper thread every ``sweep_interval_s``, so expiry
@@ -39,7 +42,7 @@ import ray
 
 from kvpool.checksum import CHECKSUM_ALGO
 from kvpool.metrics import PoolMetrics
-from kvpool.secret import pool_secret, write_proof
+from kvpool.secret import call_proof, pool_secret
 from kvpool.shard.pull import Puller, named_shard_resolver
 from kvpool.shard.wire import (
     AbortRequest,
@@ -125,7 +128,8 @@ class PoolShard:
             except Exception:  # keep sweeping; a failing sweep is logged, never fatal
                 log.exception("shard %s: sweep failed", self.config.shard_id)
 
-    def info(self) -> bytes:
+    def info(self, proof: bytes = b"") -> bytes:
+        self._check(proof, "info")
         return encode(
             ShardInfo(
                 self.config.shard_id, self.store.epoch, self.node_id, self.node_ip, self.config.backend,
@@ -133,95 +137,109 @@ class PoolShard:
             )
         )
 
-    def transfer_metadata(self) -> bytes:
+    def transfer_metadata(self, proof: bytes = b"") -> bytes:
         """``kvpool.transfer.encode_metadata`` of this shard's endpoint (peers ``add_peer`` it)."""
+        self._check(proof, "transfer_metadata")
         if self.endpoint is None:
             raise RuntimeError(f"shard {self.config.shard_id} runs without a transfer endpoint (backend 'none')")
         from kvpool.transfer import encode_metadata
 
         return encode_metadata(self.endpoint.metadata())
 
-    def shm_metadata(self) -> bytes:
+    def shm_metadata(self, proof: bytes = b"") -> bytes:
         """``kvpool.transfer.encode_metadata`` of the shared-memory export of the arena (same-host clients)."""
+        self._check(proof, "shm_metadata")
         if self.shm is None:
             raise RuntimeError(f"shard {self.config.shard_id} does not export its arena through shared memory")
         from kvpool.transfer import encode_metadata
 
         return encode_metadata(self.shm.metadata())
 
-    def lookup(self, raw: bytes) -> bytes:
+    def lookup(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "lookup")
         req = decode(raw, LookupRequest)
         res = self.store.lookup(req.keys, req.fingerprint)
         return encode(LookupReply(self.config.shard_id, self.store.epoch, res))
 
-    def lease(self, raw: bytes) -> bytes:
+    def lease(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "lease")
         req = decode(raw, LeaseRequest)
         lease = self.store.lease(req.keys, req.fingerprint, req.ttl_s)
         return encode(LeaseReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, lease))
 
-    def touch(self, raw: bytes) -> bytes:
+    def touch(self, raw: bytes, proof: bytes = b"") -> bytes:
         """``TouchRequest`` → ``CountReply``: how many of its keys are held here (callers usually do not wait)."""
+        self._check(proof, "touch")
         req = decode(raw, TouchRequest)
         return encode(CountReply(self.store.touch(req.keys, req.fingerprint)))
 
-    def release(self, raw: bytes) -> bytes:
+    def release(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "release")
         req = decode(raw, ReleaseRequest)
         ok = self.store.release(req.lease_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
-    def _check_write(self, got: bytes, op: str, reservation_id: int = 0) -> None:
-        """Refuse a write-path call without the cluster secret's proof (``kvpool.secret``), saying nothing else."""
-        if not hmac.compare_digest(got, write_proof(self._secret, op, self.config.shard_id, reservation_id)):
+    def _check(self, got: bytes, op: str, reservation_id: int = 0) -> None:
+        """Refuse a call without the cluster secret's proof (``kvpool.secret.call_proof``), saying nothing else."""
+        if not hmac.compare_digest(got, call_proof(self._secret, op, self.config.shard_id, reservation_id)):
             self.metrics.refused(op)
             raise PermissionError(f"{op}: not authenticated (the cluster secret's proof is missing or wrong)")
 
-    def reserve(self, raw: bytes) -> bytes:
+    def reserve(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "reserve")
         req = decode(raw, ReserveRequest)
-        self._check_write(req.proof, "reserve")
         res = self.store.reserve(req.n)
         return encode(
             ReserveReply(self.config.shard_id, self.store.epoch, self.agent_name, self.region_id, res)
         )
 
-    def commit(self, raw: bytes) -> bytes:
+    def commit(self, raw: bytes, proof: bytes = b"") -> bytes:
         req = decode(raw, CommitRequest)
+        self._check(req.proof, "commit", req.reservation_id)  # bound to its reservation (the call's own: unused)
         if req.checksum_algo != CHECKSUM_ALGO:
             raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
-        self._check_write(req.proof, "commit", req.reservation_id)
         res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)
         return encode(CommitReply(self.config.shard_id, self.store.epoch, res))
 
-    def abort(self, raw: bytes) -> bytes:
+    def abort(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "abort")
         req = decode(raw, AbortRequest)
         ok = self.store.abort(req.reservation_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
-    def events_since(self, raw: bytes) -> bytes:
+    def events_since(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self._check(proof, "events_since")
         req = decode(raw, EventsRequest)
         return encode(self.store.events_since(req.after_seq, req.max_events))
 
-    def snapshot(self) -> bytes:
+    def snapshot(self, proof: bytes = b"") -> bytes:
+        self._check(proof, "snapshot")
         return encode(self.store.snapshot())
 
     @ray.method(concurrency_group="pull")
-    def pull(self, raw: bytes) -> bytes:
+    def pull(self, raw: bytes, proof: bytes = b"") -> bytes:
         """``PullRequest`` → ``PullReply`` (``kvpool.shard.pull``); the store lock is not held while bytes move."""
+        self._check(proof, "pull")
         req = decode(raw, PullRequest)
         return encode(self._puller.pull(req))
 
-    def stats(self) -> bytes:
+    def stats(self, proof: bytes = b"") -> bytes:
+        self._check(proof, "stats")
         st = self.store.stats()
         return encode(StatsReply(msgspec.structs.replace(st, counters={**st.counters, **self._puller.counters()})))
 
-    def metrics_text(self) -> bytes:
+    def metrics_text(self, proof: bytes = b"") -> bytes:
+        self._check(proof, "metrics_text")
         return self.metrics.exposition()
 
-    def entry_info(self, key: bytes) -> bytes:
+    def entry_info(self, key: bytes, proof: bytes = b"") -> bytes:
         """Where one block lies (tests and debugging; e.g. the slab path and offset of an SSD block)."""
+        self._check(proof, "entry_info")
         return encode(EntryReply(self.store.entry_info(key)))
 
-    def demote(self, raw: bytes) -> bytes:
+    def demote(self, raw: bytes, proof: bytes = b"") -> bytes:
         """``DemoteRequest`` → ``CountReply``: move these unpinned DRAM blocks to SSD now (draining, tests)."""
+        self._check(proof, "demote")
         req = decode(raw, DemoteRequest)
         return encode(CountReply(self.store.demote(req.keys)))
 

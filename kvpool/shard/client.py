@@ -11,7 +11,8 @@ Who calls what:
 - ``ShardHandle``: a started or discovered shard (``kvpool.shard.placement`` / ``kvpool.shard.registry``) and the
   clients of it.
 
-Every call has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
+Every call carries the cluster secret's proof (``kvpool.secret.call_proof``: the shard refuses a call without it),
+as its last argument (a commit's, bound to its reservation, inside its request). Every call has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
 ``ShardDeadError``; a reply of another wire version ``WireVersionError``. An exception raised inside the actor
 (e.g. an invalid request it refused) propagates as Ray's ``RayTaskError``.
 """
@@ -19,6 +20,7 @@ Every call has a deadline; a shard that does not answer within it raises ``Shard
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ import msgspec
 import ray
 
 from kvpool.events import EventBatch, ShardSnapshot
-from kvpool.secret import pool_secret, write_proof
+from kvpool.secret import call_proof, pool_secret
 from kvpool.shard.wire import (
     PULL_LEASE_TTL_S,
     AbortRequest,
@@ -60,6 +62,16 @@ from kvpool.shard.wire import (
 from kvpool.store import CommitResult, EntryInfo, StoreStats
 
 PULL_REPLY_GRACE_S = 2.0  # a pull client waits deadline_s + this for the reply (queueing, the lease release)
+
+
+def proof_for(shard_id: str, op: str) -> bytes:
+    """This process's proof for call ``op`` to ``shard_id`` (cached per secret, shard and op: one HMAC each)."""
+    return _proof(pool_secret(), shard_id, op)
+
+
+@functools.lru_cache(maxsize=4096)
+def _proof(secret: bytes, shard_id: str, op: str) -> bytes:
+    return call_proof(secret, op, shard_id)
 
 
 def _get(ref: Any, deadline_s: float, what: str) -> bytes:
@@ -104,7 +116,7 @@ class ShardClient:
         self.deadline_s = deadline_s
 
     def _call(self, method: str, *args: Any, deadline_s: float | None = None) -> bytes:
-        ref = getattr(self.handle, method).remote(*args)
+        ref = getattr(self.handle, method).remote(*args, proof_for(self.shard_id, method))
         return _get(ref, self.deadline_s if deadline_s is None else deadline_s, f"shard {self.shard_id}.{method}")
 
     def info(self) -> ShardInfo:
@@ -119,7 +131,8 @@ class ShardClient:
 
     def send_lookup(self, keys: Sequence[bytes], fingerprint: str) -> Any:
         """Send a lookup without waiting: the Ray object ref of its reply (``lookup_many`` waits for several)."""
-        return self.handle.lookup.remote(encode(LookupRequest([bytes(k) for k in keys], fingerprint)))
+        return self.handle.lookup.remote(encode(LookupRequest([bytes(k) for k in keys], fingerprint)),
+                                         proof_for(self.shard_id, "lookup"))
 
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupReply:
         return decode(self._call("lookup", encode(LookupRequest(list(keys), fingerprint))), LookupReply)
@@ -134,17 +147,16 @@ class ShardClient:
 
     def release_nowait(self, lease_id: int) -> None:
         """Send the release and do not wait (Ray delivers it in order after the lease; the TTL ends it otherwise)."""
-        self.handle.release.remote(encode(ReleaseRequest(lease_id)))
+        self.handle.release.remote(encode(ReleaseRequest(lease_id)), proof_for(self.shard_id, "release"))
 
     def reserve(self, n: int) -> ReserveReply:
-        proof = write_proof(pool_secret(), "reserve", self.shard_id)
-        return decode(self._call("reserve", encode(ReserveRequest(n, proof=proof))), ReserveReply)
+        return decode(self._call("reserve", encode(ReserveRequest(n))), ReserveReply)
 
     def commit(
         self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
         model: str = "",
     ) -> CommitResult:
-        proof = write_proof(pool_secret(), "commit", self.shard_id, reservation_id)
+        proof = call_proof(pool_secret(), "commit", self.shard_id, reservation_id)
         req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model,
                             proof=proof)
         return decode(self._call("commit", encode(req)), CommitReply).result
@@ -156,7 +168,7 @@ class ShardClient:
         return decode(self._call("stats"), StatsReply).stats
 
     def metrics_text(self) -> str:
-        return self._call("metrics_text").decode()
+        return self._call("metrics_text").decode()  # its own proof too: a scrape through Ray is a caller like any
 
     def events_since(self, after_seq: int, max_events: int = 4096) -> EventBatch:
         return decode_events(self._call("events_since", encode(EventsRequest(after_seq, max_events))))
@@ -221,18 +233,22 @@ class AsyncShardClient:
 
     def touch_nowait(self, keys: Sequence[bytes], fingerprint: str) -> None:
         """Send a ``TouchRequest`` and do not wait for it (a lost touch only ages a hot block a little sooner)."""
-        self.handle.touch.remote(encode(TouchRequest([bytes(k) for k in keys], fingerprint)))
+        self.handle.touch.remote(encode(TouchRequest([bytes(k) for k in keys], fingerprint)),
+                                 proof_for(self.shard_id, "touch"))
 
     async def stats(self, deadline_s: float = 5.0) -> StoreStats:
-        raw = await _aget(self.handle.stats.remote(), deadline_s, f"shard {self.shard_id}.stats")
+        raw = await _aget(self.handle.stats.remote(proof_for(self.shard_id, "stats")), deadline_s,
+                          f"shard {self.shard_id}.stats")
         return decode(raw, StatsReply).stats
 
     async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch:
-        ref = self.handle.events_since.remote(encode(EventsRequest(after_seq, max_events)))
+        ref = self.handle.events_since.remote(encode(EventsRequest(after_seq, max_events)),
+                                              proof_for(self.shard_id, "events_since"))
         return decode_events(await _aget(ref, deadline_s, f"shard {self.shard_id}.events_since"))
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot:
-        raw = await _aget(self.handle.snapshot.remote(), deadline_s, f"shard {self.shard_id}.snapshot")
+        raw = await _aget(self.handle.snapshot.remote(proof_for(self.shard_id, "snapshot")), deadline_s,
+                          f"shard {self.shard_id}.snapshot")
         return decode_snapshot(raw)
 
     async def pull(
@@ -246,7 +262,7 @@ class AsyncShardClient:
     ) -> PullReply:
         """Like ``ShardClient.pull``."""
         req = pull_request(self.shard_id, source_shard_id, keys, fingerprint, deadline_s, lease_ttl_s)
-        ref = self.handle.pull.remote(encode(req))
+        ref = self.handle.pull.remote(encode(req), proof_for(self.shard_id, "pull"))
         raw = await _aget(ref, deadline_s + PULL_REPLY_GRACE_S, f"shard {self.shard_id}.pull")
         return decode(raw, PullReply)
 

@@ -20,7 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.shard.actor import PoolShardActor
-from kvpool.shard.client import ShardHandle
+from kvpool.shard.client import ShardHandle, proof_for
 from kvpool.shard.registry import shard_actor_name
 from kvpool.shard.wire import SHARD_NAMESPACE, ShardConfig, ShardInfo, ShardUnavailableError, decode, encode
 
@@ -117,7 +117,7 @@ def _start_shards(
         raise
     if not handles:
         raise ShardUnavailableError("no alive node passed the filter: no pool shard started")
-    refs = [h.actor.info.remote() for h in handles]
+    refs = [h.actor.info.remote(proof_for(h.shard_id, "info")) for h in handles]
     try:
         infos = [decode(raw, ShardInfo) for raw in ray.get(refs, timeout=ready_deadline_s)]
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:

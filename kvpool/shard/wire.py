@@ -95,7 +95,6 @@ class ReleaseRequest(msgspec.Struct, frozen=True, tag="release"):
 class ReserveRequest(msgspec.Struct, frozen=True, tag="reserve"):
     n: int
     version: int = POOL_WIRE_VERSION
-    proof: bytes = b""  # kvpool.secret.write_proof(secret, "reserve", shard id): no slots without it
 
 
 class CommitRequest(msgspec.Struct, frozen=True, tag="commit"):
@@ -106,7 +105,7 @@ class CommitRequest(msgspec.Struct, frozen=True, tag="commit"):
     checksum_algo: str = CHECKSUM_ALGO  # checked against the shard's own (``kvpool.checksum``)
     version: int = POOL_WIRE_VERSION
     model: str = ""  # the writer's model id: labels the fingerprint's blocks in the shard's accounting
-    proof: bytes = b""  # kvpool.secret.write_proof(secret, "commit", shard id, reservation id)
+    proof: bytes = b""  # kvpool.secret.call_proof(secret, "commit", shard id, reservation id)
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

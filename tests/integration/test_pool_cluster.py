@@ -249,16 +249,39 @@ def test_commit_with_a_wrong_checksum_is_not_visible(pool: Pool, writer: Any) ->
     assert client.lookup(keys, FP).result.prefix == 1
 
 
-def test_a_caller_without_the_cluster_secret_can_neither_reserve_nor_commit(pool: Pool, writer: Any) -> None:
-    """The shard's write path needs the proof of the cluster secret (``kvpool.secret.write_proof``): a Ray caller
-    that sends none (or a forged one) gets no slots and makes no block visible, even with correct checksums."""
-    from kvpool.shard.wire import CommitRequest, ReserveRequest, encode
+def test_a_caller_without_the_cluster_secret_learns_nothing_and_writes_nothing(pool: Pool, writer: Any) -> None:
+    """Every call to a shard needs the proof of the cluster secret (``kvpool.secret.call_proof``): a Ray caller that
+    sends none (or a forged one, or another shard's) gets no transfer metadata, no lookup, no lease, no events, no
+    slots, and makes no block visible, even with correct checksums — and is told nothing about the shard."""
+    from kvpool.shard.client import proof_for
+    from kvpool.shard.wire import (
+        CommitRequest,
+        EventsRequest,
+        LeaseRequest,
+        LookupRequest,
+        ReleaseRequest,
+        ReserveRequest,
+        encode,
+    )
 
     client = pool.client("a")
-    with pytest.raises(Exception, match="not authenticated"):
-        ray.get(client.handle.reserve.remote(encode(ReserveRequest(2))), timeout=60)
-    with pytest.raises(Exception, match="not authenticated"):
-        ray.get(client.handle.reserve.remote(encode(ReserveRequest(2, proof=b"x" * 32))), timeout=60)
+    held = keys_for(2, "held-by-a")
+    write_blocks(pool, writer, held, [3, 4])
+    calls = {
+        "transfer_metadata": (), "info": (), "stats": (), "snapshot": (),
+        "lookup": (encode(LookupRequest(held, FP)),),
+        "lease": (encode(LeaseRequest(held, FP, 30.0)),),
+        "release": (encode(ReleaseRequest(1)),),
+        "events_since": (encode(EventsRequest(0)),),
+        "reserve": (encode(ReserveRequest(2)),),
+    }
+    other = pool.client("b").shard_id
+    for op, args in calls.items():
+        for proof in (b"", b"x" * 32, proof_for(other, op)):  # none, forged, another shard's
+            with pytest.raises(Exception, match="not authenticated") as err:
+                ray.get(getattr(client.handle, op).remote(*args, proof), timeout=60)
+            assert client.shard_id not in str(err.value).split("PermissionError", 1)[-1]  # says nothing of it
+    assert client.stats().leases == 0  # no forged lease took a block
     keys = keys_for(1, "forged")
     rep = client.reserve(1)  # a real writer's reservation, then a forger's commit into it
     ray.get(writer.fill.remote(0, payload(21)), timeout=60)
@@ -267,10 +290,11 @@ def test_a_caller_without_the_cluster_secret_can_neither_reserve_nor_commit(pool
     assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
     forged = CommitRequest(rep.reservation.reservation_id, keys, [block_checksum(payload(21))], FP)
     with pytest.raises(Exception, match="not authenticated"):
-        ray.get(client.handle.commit.remote(encode(forged)), timeout=60)
+        ray.get(client.handle.commit.remote(encode(forged), proof_for(client.shard_id, "commit")), timeout=60)
     assert client.lookup(keys, FP).result.prefix == 0
+    assert client.lookup(held, FP).result.prefix == 2  # the cluster's own calls still work
     assert client.abort(rep.reservation.reservation_id)  # the slot back for the tests after this one
-    assert "kvstack_pool_unauthenticated_total" in ray.get(client.handle.metrics_text.remote(), timeout=30).decode()
+    assert "kvstack_pool_unauthenticated_total" in client.metrics_text()
 
 
 def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> None:
