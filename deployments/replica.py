@@ -10,7 +10,7 @@ Who calls what:
   (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
   ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)``; the routers calibrate their tier prices
   with them.
-- After a request's first token, the pool blocks of the prefix the engine reused are touched in this node's shard
+- Once a request's first chunk is out, the pool blocks of the prefix the engine reused are touched in this node's shard
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); a HOLDER or RECOMPUTE
   of a policy that plans the pool loads (``pool_planned``) tells it to load nothing (no lookup to wait for); a
@@ -339,13 +339,14 @@ class VLLMReplica:
                 cached = out.num_cached_tokens or 0
                 timeline = None
                 prompt_logprobs = None
+                touch = False
                 if first:
                     self.waiting -= 1
                     self.waiting_tokens -= work[0]
                     self.waiting_tokens_sq -= work[1]
                     self.running += 1
                     first = False
-                    self._touch_pool_prefix(request, cached)
+                    touch = True  # once the first chunk is out: the touch costs its TTFT nothing
                     timeline = request_timeline(out.metrics, received, plan_s)
                     if out.prompt_logprobs is not None:
                         prompt_logprobs = [None if e is None else logprob_entries(e) for e in out.prompt_logprobs]
@@ -369,6 +370,8 @@ class VLLMReplica:
                     )
                     timeline = None
                     prompt_logprobs = None
+                if touch:
+                    self._touch_pool_prefix(request, cached)
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
