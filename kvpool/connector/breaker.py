@@ -4,9 +4,8 @@ Who calls what: ``kvpool.connector.pool.PoolShards`` (one breaker per ``PoolShar
 its worker role, the saver) asks ``allow(shard_id)`` before every call to a shard and reports the outcome with
 ``success`` / ``failure``. A closed breaker allows everything. The first failure opens it for ``base_s``; while open,
 ``allow`` is False (the caller treats the shard as a miss at once instead of waiting out another deadline). When the
-backoff has passed, one caller is let through as a probe (half-open; the probing thread's own further calls of it
-too: a load asks the breaker, then its read asks again): its success closes the breaker, its failure opens it again
-for twice as long (capped at ``max_s``). A probe that never reports back is given up after ``base_s``
+backoff has passed, one caller is let through as a probe (half-open): its success closes the breaker, its failure
+opens it again for twice as long (capped at ``max_s``). A probe that never reports back is given up after ``base_s``
 and another caller probes. No thread, no timer: the state moves on the callers' clock (``clock``, injectable).
 Thread-safe: the scheduler role's pool calls run on several threads.
 """
@@ -24,7 +23,6 @@ class _State:
     failures: int = 0  # consecutive failures (0: closed)
     open_until: float = 0.0
     probing_since: float | None = None  # a half-open probe is in flight since then
-    prober: int | None = None  # the thread making it (its own further calls of the same probe are let through)
 
 
 @dataclass
@@ -59,11 +57,9 @@ class ShardBreaker:
                 self.stats.skipped += 1
                 return False
             if st.probing_since is not None and now - st.probing_since < self.base_s:
-                if st.prober == threading.get_ident():
-                    return True  # the probe's own next call (e.g. a load's read after its breaker check)
                 self.stats.skipped += 1
                 return False
-            st.probing_since, st.prober = now, threading.get_ident()
+            st.probing_since = now
             return True
 
     def success(self, shard_id: str) -> None:
@@ -83,7 +79,7 @@ class ShardBreaker:
             elif self._clock() < st.open_until:
                 return  # another call that was already in flight when the breaker opened: no longer backoff
             st.failures += 1
-            st.probing_since, st.prober = None, None
+            st.probing_since = None
             st.open_until = self._clock() + self.backoff_s(st.failures)
 
     def is_open(self, shard_id: str) -> bool:

@@ -174,7 +174,11 @@ class KvPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched().save_outcomes(getattr(connector_output, "kv_connector_worker_meta", None))
+        side = self._sched()
+        side.load_outcomes(getattr(connector_output, "finished_recving", None),
+                           getattr(connector_output, "failed_recving", None),
+                           getattr(connector_output, "invalid_block_ids", None))
+        side.save_outcomes(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)

@@ -122,17 +122,19 @@ class SaveReport(KVConnectorWorkerMetadata):
     """Worker → scheduler: what became of planned saves since the last report. Aggregated over the workers of one
     engine (tensor-parallel ranks save their own heads): a key is saved only when no rank failed it."""
 
-    def __init__(self, saved: list[bytes], failed: list[bytes]) -> None:
+    def __init__(self, saved: list[bytes], failed: list[bytes], skipped: list[bytes] | None = None) -> None:
         self.saved = saved
         self.failed = failed
+        self.skipped = skipped or []  # never attempted: the shard was unreachable (its breaker open, no actor)
         self.version = META_VERSION
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, SaveReport):
             return self
         failed = set(self.failed) | set(other.failed)
-        saved = [k for k in dict.fromkeys(self.saved + other.saved) if k not in failed]
-        return SaveReport(saved, sorted(failed))
+        skipped = (set(self.skipped) | set(getattr(other, "skipped", []))) - failed
+        saved = [k for k in dict.fromkeys(self.saved + other.saved) if k not in failed and k not in skipped]
+        return SaveReport(saved, sorted(failed), sorted(skipped))
 
     def __repr__(self) -> str:
-        return f"SaveReport(saved={len(self.saved)}, failed={len(self.failed)})"
+        return f"SaveReport(saved={len(self.saved)}, failed={len(self.failed)}, skipped={len(self.skipped)})"

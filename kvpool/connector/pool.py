@@ -220,14 +220,15 @@ class PoolShards:
             raise ShardUnavailableError(f"cannot connect to the Ray cluster: {exc}") from exc
         stop_driver_error_listener()
 
-    def client(self, shard_id: str) -> Any:
+    def client(self, shard_id: str, *, allowed: bool = False) -> Any:
         """``GuardedClient`` of a shard; ``ShardUnavailableError`` if its breaker is open or its actor cannot be
-        found."""
+        found. ``allowed``: the caller already passed the breaker for this operation (one operation asks it once:
+        a second ``allow`` would refuse the caller's own half-open probe, and the shard would never recover)."""
         from kvpool.shard.client import ShardClient
         from kvpool.shard.registry import get_named_actor
         from kvpool.shard.wire import ShardUnavailableError
 
-        if not self.breaker.allow(shard_id):
+        if not allowed and not self.breaker.allow(shard_id):
             raise ShardUnavailableError(f"shard {shard_id}: skipped (it failed recently; retried after a backoff)")
         with self._lock:
             client = self._clients.get(shard_id)

@@ -9,7 +9,12 @@ A key counts as saved only once its shard committed it (or already held it: a du
 the node saved it first — the shard commits a key once). A key that was dropped (no staging slot), found no room,
 failed its job (shard down, deadline, transfer) or was rejected by the shard's checksum check is counted and may be
 planned again — when a later step computes it, or holds it in the engine's own cache at a request's first step —
-up to ``max_attempts`` times. A planned key whose outcome never arrives is wanted again after ``in_flight_s``.
+up to ``max_attempts`` times. A key whose job never reached the shard (unreachable: its breaker open while it
+restarts, no actor of its name) spends no attempt: it is wanted again (``skipped``). A planned key whose outcome
+never arrives is wanted again after ``in_flight_s``.
+A saved key the shard no longer holds (evicted, or the shard restarted empty: the scheduler role sees it in a lookup
+or a short lease on that shard) is ``forget``-ten: wanted again, so the next computation of it saves it again
+(without that, an engine never re-saved a block it had saved once, and a restarted shard never served its prefixes).
 Bounded: ``capacity`` keys per set, oldest dropped first. Used from the scheduler's thread only.
 """
 
@@ -33,6 +38,8 @@ class SaveBookStats:
     retried: int = 0  # planned again after a failure
     given_up: int = 0  # failed max_attempts times: not planned again
     expired: int = 0  # no outcome within in_flight_s
+    skipped: int = 0  # never attempted (the shard was unreachable): wanted again, no attempt counted
+    lost: int = 0  # saved, then no longer held by the shard (evicted, shard restarted): wanted again
 
 
 def _bounded_put(d: OrderedDict[bytes, object], key: bytes, value: object, capacity: int) -> None:
@@ -75,7 +82,7 @@ class SaveBook:
             _bounded_put(self._in_flight, key, now, self.capacity)
             self.stats.planned += 1
 
-    def outcome(self, saved: Iterable[bytes], failed: Iterable[bytes]) -> None:
+    def outcome(self, saved: Iterable[bytes], failed: Iterable[bytes], skipped: Iterable[bytes] = ()) -> None:
         for key in saved:
             self._in_flight.pop(key, None)
             self._failures.pop(key, None)
@@ -88,6 +95,20 @@ class SaveBook:
             self.stats.failed += 1
             if attempts == self.max_attempts:
                 self.stats.given_up += 1
+        for key in skipped:  # the shard was unreachable (e.g. restarting): no attempt spent, wanted again
+            self._in_flight.pop(key, None)
+            self.stats.skipped += 1
+
+    def forget(self, keys: Iterable[bytes]) -> int:
+        """These saved keys are no longer held by the shard: wanted again (with a fresh attempt count). Returns how
+        many were saved."""
+        n = 0
+        for key in keys:
+            if key in self._saved:
+                del self._saved[key]
+                n += 1
+        self.stats.lost += n
+        return n
 
     def is_saved(self, key: bytes) -> bool:
         return key in self._saved

@@ -12,7 +12,9 @@ reserve and commit calls are deadline-bounded shard calls; the write has ``save_
 
 The staging slots are the bound on bytes in flight (``ConnectorConfig.save_staging_bytes``): when none is free,
 the blocks are not saved (``SaveStats.blocks_dropped``) — a future miss, never a wait on the forward path. A failed
-job is a future miss too (``save_failures``); its reservation is aborted or expires. Every staged or dropped key
+job is a future miss too (``save_failures``); its reservation is aborted or expires. A job that never reached its
+shard (its breaker open, no actor of its name) is ``saves_skipped``: its keys come back from ``take_skipped()``,
+not as failures (no retry attempt spent while a shard restarts). Every staged or dropped key
 ends in ``take_outcomes()``: saved (committed, or already held by the shard) or failed (dropped, no room, a failed
 job, rejected by the shard's checksum check) — the scheduler role plans the failed ones again, bounded
 (``kvpool.connector.save_book``). ``wait_idle(deadline_s)`` (the in-process bench and tests, shutdown) waits until
@@ -44,6 +46,7 @@ class SaveStats:
 
     saves: int = 0  # jobs run (one per step that saved something)
     save_failures: int = 0
+    saves_skipped: int = 0  # jobs not attempted: the shard was unreachable (breaker open, no actor); not failures
     blocks_staged: int = 0
     blocks_dropped: int = 0  # no staging slot free: not saved
     blocks_no_room: int = 0  # the shard reserved fewer slots than asked (DRAM full of pinned blocks): not saved
@@ -72,6 +75,10 @@ class _Job:
 _STOP = object()
 
 
+class _Unreachable(Exception):
+    """A job that never reached its shard (``__cause__`` says why)."""
+
+
 class BlockSaver:
     """One background thread writing staged blocks to a shard. ``clients(shard_id)`` gives the ``ShardClient``
     (the saver's own ``PoolShards``); ``peers`` holds the saver's own endpoints (a bare ``TransferEndpoint`` is
@@ -98,6 +105,7 @@ class BlockSaver:
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._saved: list[bytes] = []  # outcomes since the last take_outcomes (under _lock)
         self._failed: list[bytes] = []
+        self._skipped: list[bytes] = []  # never attempted: the shard was unreachable (_Unreachable)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # jobs queued or running
@@ -135,6 +143,13 @@ class BlockSaver:
         self.stats.stage_seconds += time.perf_counter() - t0
         self.stats.queue_max = max(self.stats.queue_max, self._jobs.qsize())
         return take
+
+    def take_skipped(self) -> list[bytes]:
+        """Keys whose job never reached the shard (its breaker was open, no actor of its name) since the last call:
+        no attempt was spent on them."""
+        with self._lock:
+            skipped, self._skipped = self._skipped, []
+        return skipped
 
     def take_outcomes(self) -> tuple[list[bytes], list[bytes]]:
         """(saved keys, failed keys) since the last call."""
@@ -176,6 +191,12 @@ class BlockSaver:
             t0 = time.perf_counter()
             try:
                 self._write(job)
+            except _Unreachable as exc:  # nothing was attempted: the keys are not failures of theirs
+                with self._lock:
+                    self._skipped.extend(k for k in job.keys if k not in job.reported)
+                self.stats.saves_skipped += 1
+                log.info("kvpool connector: save of %d block(s) to %s not attempted: %s", len(job.keys),
+                         job.shard_id, exc.__cause__)
             except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an error
                 self._report(job, [], [k for k in job.keys if k not in job.reported])
                 self.stats.save_failures += 1
@@ -197,7 +218,10 @@ class BlockSaver:
         return self._zero_region
 
     def _write(self, job: _Job) -> None:
-        client = self._clients(job.shard_id)
+        try:
+            client = self._clients(job.shard_id)
+        except Exception as exc:  # its breaker is open (it failed recently), or no actor of its name
+            raise _Unreachable() from exc
         reservation_id: int | None = None
         try:
             reply = client.reserve(len(job.keys))

@@ -23,7 +23,9 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   the leases of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids,
   the state at a chunk end on a block boundary), to be written to the local shard after the forward. A block counts
   as saved only once the shard committed it (``update_connector_output`` with the workers' ``SaveReport``); a
-  failed save is planned again, bounded (``kvpool.connector.save_book``).
+  failed save is planned again, bounded (``kvpool.connector.save_book``). A saved block that a lookup or a lease on
+  the local shard finds gone (evicted, or the shard restarted empty) is wanted again: the next computation of it
+  saves it again.
 - ``request_finished[_all_groups](request, ...)`` once per request (finished, aborted — also before it was ever
   scheduled — or errored): releases its leases (fire-and-forget) and hands back what its pool calls cost
   (``PoolRequestTiming`` in the final output's ``kv_transfer_params``). A request aborted while its lease is in
@@ -84,6 +86,7 @@ class _Found:
     at: float  # time.monotonic() when it finished
     failures: int  # shards that did not answer
     seconds: float
+    local_prefix: int | None = None  # blocks from ``start`` the local shard holds (None: it did not answer)
 
     def answer(self, start: int, limit: int, hybrid: bool) -> int | None:
         """One past the last pool block for an ask of [start, limit); None when this lookup cannot tell."""
@@ -133,7 +136,8 @@ class _Req:
     lookup_s: float = 0.0
     not_yet: int = 0  # asks answered "not yet" (the request was skipped that step)
     lease_s: float = 0.0
-    loaded_tokens: int = 0
+    loaded_tokens: int = 0  # tokens its loads supplied (counted once the worker reported the load)
+    loading: list[int] | None = None  # a load handed to the worker: its leased blocks' ids (the first group)
 
 
 @dataclass
@@ -301,6 +305,19 @@ class SchedulerSide:
         r.found = found
         r.lookup_s += found.seconds
         self.stats.lookup_failures += found.failures
+        if found.local_prefix is not None:
+            self._lost(r, found.start + found.local_prefix, found.limit)
+
+    def _lost(self, r: _Req, start: int, end: int) -> None:
+        """The local shard does not hold block ``start`` of the request: when the book says this engine saved it
+        (the shard evicted it, or restarted empty), the saved blocks of [start, end) are wanted again."""
+        keys = self._keys(r)
+        if start >= min(end, len(keys)) or not self.book.is_saved(bytes(keys[start])):
+            return
+        lost = [bytes(k) for k in keys[start:end]]
+        if self.plan.hybrid:
+            lost += [bytes(state_key(k)) for k in keys[start:end]]
+        self.book.forget(lost)
 
     # ---------------------------------------------------------- pool-call threads (never the scheduler's)
     def _candidates(self, hinted: str | None) -> list[str]:
@@ -319,17 +336,22 @@ class SchedulerSide:
         assert self.fingerprint is not None
         t0 = time.perf_counter()
         shards = self._candidates(hinted)
+        local = self.shards.local_shard_id(wait=False)
         results = self.shards.lookup_many([(s, keys) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s)
-        best_shard, best, failures = "", 0, 0
+        best_shard, best, failures, local_prefix = "", 0, 0, None
         for sid, res in zip(shards, results, strict=True):
             if res is None:
                 failures += 1
-            elif res.prefix > best:
+                continue
+            if sid == local:
+                local_prefix = res.prefix
+            if res.prefix > best:
                 best_shard, best = sid, res.prefix
         end = start + best
         if best and self.plan.hybrid:
             end = self._state_boundary(best_shard, keys, start, end)
-        return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0)
+        return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0,
+                      local_prefix)
 
     def _state_boundary(self, shard_id: str, keys: list[BlockKey], start: int, end: int) -> int:
         """Furthest boundary in (start, end] whose state snapshot the shard holds; ``start`` if none. ``keys``
@@ -407,7 +429,8 @@ class SchedulerSide:
             leased = list(reply.lease.blocks) if reply is not None else []
             n = match.end - match.start
             r.lease_s += lease_s
-            r.loaded_tokens += len(leased[:n]) * self.block_size
+            g = self.plan.block_groups[0]
+            r.loading = [p.block_ids[g][i] for i in range(match.start, match.start + len(leased[:n]))]
             if reply is None:
                 self.stats.leases_failed += 1
             if lease_id:
@@ -416,6 +439,8 @@ class SchedulerSide:
                 self.stats.note(f"lease {rid} {match.shard_id} {lease_id}")
             if len(leased) < n + int(self.plan.hybrid):
                 self.stats.leases_short += 1
+                if reply is not None and match.shard_id == self.shards.local_shard_id(wait=False):
+                    self._lost(r, match.start + min(len(leased), n), match.end)
                 if self.plan.hybrid and lease_id:
                     self._release(rid, "short", only=lease_id)  # useless without the state
             self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s)
@@ -521,11 +546,25 @@ class SchedulerSide:
         self.stats.states_to_save += int(skey is not None)
         out.append(SaveSpec(rid, save_keys, save_blocks, skey, sblock))
 
+    def load_outcomes(self, done: Any, failed: Any, invalid: Any) -> None:
+        """The loads the workers finished this step (vLLM's ``update_connector_output``: finished and failed
+        request ids, the block ids that failed to load): a request's ``loaded_tokens`` counts the leased blocks up
+        to the first that failed — what vLLM kept; it recomputes the rest (nothing of a failed request)."""
+        for rid in done or ():
+            r = self._reqs.get(rid)
+            if r is None or r.loading is None:
+                continue
+            ids, r.loading = r.loading, None
+            if failed and rid in failed:
+                continue
+            ok = next((i for i, b in enumerate(ids) if invalid and b in invalid), len(ids))
+            r.loaded_tokens += ok * self.block_size
+
     def save_outcomes(self, report: Any) -> None:
         """The workers' ``SaveReport`` of a step (vLLM's ``update_connector_output``): committed keys count as
         saved, failed ones may be planned again (``kvpool.connector.save_book``)."""
         if isinstance(report, SaveReport):
-            self.book.outcome(report.saved, report.failed)
+            self.book.outcome(report.saved, report.failed, getattr(report, "skipped", ()))
 
     # ------------------------------------------------------------------ endings
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:

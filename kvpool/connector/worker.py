@@ -210,11 +210,14 @@ class WorkerSide:
 
     def _ensure_peer(self, shard_id: str, agent_name: str, epoch: str) -> None:
         """Trust the shard's current transfer metadata (refetched when the shard restarted); the own node's shard
-        also through shared memory when it exports its arena."""
+        also through shared memory when it exports its arena. The caller (``_load_group``) already passed the
+        shard's breaker for this load: the metadata calls do not ask it again (a second ask refused the breaker's
+        own half-open probe: after a shard restarted under its name — a new epoch, so its metadata is fetched —
+        loads from it failed forever)."""
         assert self.peers is not None
         same_node = shard_id == self.shards.local_shard_id(wait=False)
-        self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id).transfer_metadata(),
-                          (lambda: self.shards.client(shard_id).shm_metadata()) if same_node else None)
+        self.peers.ensure(agent_name, epoch, lambda: self.shards.client(shard_id, allowed=True).transfer_metadata(),
+                          (lambda: self.shards.client(shard_id, allowed=True).shm_metadata()) if same_node else None)
 
     def _items(self, spec: LoadSpec) -> list[tuple[LoadBlock, list[GroupSpans]]]:
         geo = self.geometry
@@ -407,7 +410,8 @@ class WorkerSide:
         if self.saver is None:
             return None
         saved, failed = self.saver.take_outcomes()
-        return SaveReport(saved, failed) if saved or failed else None
+        skipped = self.saver.take_skipped()
+        return SaveReport(saved, failed, skipped) if saved or failed or skipped else None
 
     def take_transfer_records(self) -> list[TransferRecord]:
         """The finished loads since the last call (oldest first; at most ``TRANSFER_RECORDS`` are kept)."""

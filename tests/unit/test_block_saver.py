@@ -169,3 +169,23 @@ def test_a_write_that_may_still_land_fences_the_endpoint_before_the_slots_are_ch
         assert key(5) in saved
     finally:
         saver.close()
+
+
+def test_a_shard_it_cannot_reach_spends_no_attempt(rig) -> None:
+    """Its breaker open (it failed recently, e.g. while it restarts) or no actor of its name: the job never reaches
+    the shard; its keys are skipped, not failed (the scheduler's save book spends no retry on them)."""
+    from kvpool.shard.wire import ShardUnavailableError
+
+    saver, shard, store, _ = rig
+
+    def unreachable(shard_id: str) -> None:
+        raise ShardUnavailableError(f"shard {shard_id}: skipped (it failed recently; retried after a backoff)")
+
+    saver._clients = unreachable
+    assert saver.stage("local", FP, [(key(i), block(i)) for i in range(2)]) == 2
+    assert saver.wait_idle(10)
+    assert saver.stats.saves_skipped == 1 and saver.stats.save_failures == 0
+    assert saver.take_outcomes() == ([], []) and saver.take_skipped() == [key(0), key(1)]
+    saver._clients = lambda sid: shard
+    assert saver.stage("local", FP, [(key(0), block(0))]) == 1
+    assert saver.wait_idle(10) and saver.take_outcomes() == ([key(0)], []) and saver.take_skipped() == []

@@ -37,6 +37,16 @@ def test_saved_only_on_commit_failures_retried_then_given_up() -> None:
     assert (book.stats.planned, book.stats.committed, book.stats.failed) == (3, 1, 2)
 
 
+def test_a_saved_key_the_shard_lost_is_wanted_again() -> None:
+    book = SaveBook()
+    a, b = b"a" * 16, b"b" * 16
+    book.planned([a])
+    book.outcome(saved=[a], failed=[])
+    assert not book.wanted(a)
+    assert book.forget([a, b]) == 1 and book.stats.lost == 1  # b was never saved: nothing to forget
+    assert book.wanted(a) and not book.is_saved(a) and not book.failed_before(a)
+
+
 def test_a_planned_key_without_an_outcome_is_wanted_again_later() -> None:
     clock = Clock()
     book = SaveBook(in_flight_s=10.0, clock=clock)
@@ -59,3 +69,16 @@ def test_save_reports_of_two_ranks_aggregate_to_saved_only_where_no_rank_failed(
     r1 = SaveReport(saved=[b"a", b"c"], failed=[b"b"])
     agg = r0.aggregate(r1)
     assert agg.saved == [b"a"] and sorted(agg.failed) == [b"b", b"c"]
+
+
+def test_a_key_never_attempted_spends_no_attempt() -> None:
+    book = SaveBook(max_attempts=1)
+    a = b"a" * 16
+    for _ in range(3):  # skipped again and again (the shard restarting): always wanted again
+        book.planned([a])
+        assert not book.wanted(a)
+        book.outcome(saved=[], failed=[], skipped=[a])
+        assert book.wanted(a) and not book.failed_before(a)
+    assert book.stats.skipped == 3 and book.stats.given_up == 0
+    r = SaveReport(saved=[a], failed=[]).aggregate(SaveReport(saved=[], failed=[], skipped=[a]))
+    assert (r.saved, r.failed, r.skipped) == ([], [], [a])  # one rank did not write its part: not saved

@@ -254,3 +254,71 @@ def test_a_failed_save_is_planned_again_from_a_held_copy_and_a_committed_one_nev
     (retry,) = save_step(side, "b", 4 * BS, again.num_tokens - 4 * BS).saves
     assert retry.keys == [spec.keys[2]] and retry.blocks == [{0: 202}]
     assert side.book.stats.retried == 1
+
+
+def test_a_saved_block_the_local_shard_lost_is_saved_again() -> None:
+    """The book says blocks 0-3 were saved; the local shard's lookup holds only block 0 (it evicted the rest, or
+    restarted): they are saved again by the next request that computes them; a short lease on it does the same."""
+    from kvpool.connector.meta import SaveReport
+
+    side, fake = make_side(held=4)
+    side.cfg = ConnectorConfig(save=True)
+    side.bind_kv_cache_manager(CacheManager())
+    first = request("a", blocks=4)
+    side.on_new_request(first)
+    (spec,) = save_step(side, "a", 0, first.num_tokens).saves
+    side.save_outcomes(SaveReport(saved=spec.keys, failed=[]))
+    assert all(side.book.is_saved(k) for k in spec.keys)
+
+    fake.held = 1  # the shard lost blocks 1-3
+    again = request("b", blocks=4)
+    side.on_new_request(again)
+    until(lambda: side.get_num_new_matched_tokens(again, 0) != (None, False))
+    assert side.get_num_new_matched_tokens(again, 0) == (BS, True)
+    assert [side.book.is_saved(k) for k in spec.keys] == [True, False, False, False]
+    assert side.book.stats.lost == 3
+    side._matches.pop("b")  # vLLM computes it (no allocation for the pool's block here)
+    (resave,) = save_step(side, "b", BS, again.num_tokens - BS).saves
+    assert resave.keys == spec.keys[1:]  # planned again
+
+    side.save_outcomes(SaveReport(saved=resave.keys, failed=[]))
+    fake.held = 4
+    short = request("c", blocks=4)
+    side.on_new_request(short)
+    until(lambda: side.get_num_new_matched_tokens(short, 0) != (None, False))
+    assert side.get_num_new_matched_tokens(short, 0) == (4 * BS, True)
+    real_client = fake.client
+
+    class ShortClient(FakeClient):
+        def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+            reply = super().lease(keys[:2], fingerprint, ttl_s)  # blocks 2-3 evicted since the lookup
+            return reply
+
+    fake.client = lambda shard_id: ShortClient(fake)  # type: ignore[method-assign]
+    side.update_state_after_alloc(short, Blocks(4), 4 * BS)
+    until(lambda: side._leasing["c"].future.done())
+    step(side)
+    fake.client = real_client  # type: ignore[method-assign]
+    assert side.stats.leases_short == 1
+    assert [side.book.is_saved(k) for k in spec.keys] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(("failed", "invalid", "loaded"), [(False, set(), 6), (False, {102}, 2), (True, set(), 0)])
+def test_loaded_tokens_count_only_what_the_load_supplied(failed: bool, invalid: set[int], loaded: int) -> None:
+    """A lease of 6 blocks whose load then fails from block 2 on (a slot rewritten after its lease expired, a dead
+    shard) supplied 2 blocks; a failed request (hybrids) none — the request's timing says so."""
+    from kvpool.connector.timing import from_params
+
+    side, _ = make_side(held=6)
+    req = request("a")
+    side.on_new_request(req)
+    until(lambda: side.get_num_new_matched_tokens(req, 0) != (None, False))
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    side.update_state_after_alloc(req, Blocks(8), 6 * BS)
+    until(lambda: side._leasing["a"].future.done())
+    (spec,) = step(side).loads
+    assert len(spec.blocks) == 6
+    side.load_outcomes({"a"}, {"a"} if failed else set(), invalid)
+    _, params = side.request_finished(req)
+    timing = from_params(params)
+    assert timing is not None and timing.loaded_tokens == loaded * BS
