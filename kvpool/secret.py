@@ -5,8 +5,8 @@ string; ``kvstack serve`` generates 32 random bytes, hex, before it starts the l
 inherit it; on KubeRay it comes from a Kubernetes Secret on the pods). It is never logged, never put in a config,
 a Serve runtime env or an actor argument. Who uses it: the TCP transport's handshake (``kvpool.transfer.tcp``:
 both sides prove it with HMAC-SHA256 over fresh nonces before any request is read, so nothing is allocated or said
-to a stranger), and every call to a shard (``kvpool.shard``: each carries ``call_proof(secret, op, shard id)``, a
-commit ``call_proof(secret, "commit", shard id, reservation id)``; a shard refuses a call without it, so a Ray caller
+to a stranger), and every call to a shard (``kvpool.shard``: each carries ``call_proof(secret, op)``, a
+commit ``call_proof(secret, "commit", reservation id)``; a shard refuses a call without it, so a Ray caller
 that does not know the secret learns nothing of the shard — not its transfer metadata, not which blocks it holds —
 can take no slot or lease and make no block visible). With no secret set, the handshake runs with an empty key: it keeps peers of one build in step but
 authenticates nothing (``configured`` says which; the start-up log says so).
@@ -57,6 +57,7 @@ def verify(secret: bytes, got: bytes, label: bytes, *parts: bytes) -> bool:
     return hmac.compare_digest(got, proof(secret, label, *parts))
 
 
-def call_proof(secret: bytes, op: str, shard_id: str, reservation_id: int = 0) -> bytes:
-    """The proof a call ``op`` to shard ``shard_id`` carries (a ``commit``: bound to its reservation)."""
-    return proof(secret, b"kvstack-shard-" + op.encode(), shard_id.encode(), str(reservation_id).encode())
+def call_proof(secret: bytes, op: str, reservation_id: int = 0) -> bytes:
+    """The proof a call ``op`` to a pool shard carries (a ``commit``: bound to its reservation). Not bound to the
+    shard: callers name a shard by what found it (a configured id, a node id), the shard itself by its own id."""
+    return proof(secret, b"kvstack-shard-" + op.encode(), str(reservation_id).encode())

@@ -18,7 +18,7 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
   tests and draining read ``entry_info`` and call ``demote``.
 
-Every call carries the cluster secret's proof (``kvpool.secret.call_proof`` for its op and this shard; a commit's
+Every call carries the cluster secret's proof (``kvpool.secret.call_proof`` for its op; a commit's
 is bound to its reservation): a call without it is refused with a ``PermissionError`` that says nothing of the shard
 and counted in ``kvstack_pool_unauthenticated_total`` — a Ray caller that does not know the secret gets no transfer
 metadata, no lookup, no lease, no slot, no event. A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``)
@@ -181,7 +181,7 @@ class PoolShard:
 
     def _check(self, got: bytes, op: str, reservation_id: int = 0) -> None:
         """Refuse a call without the cluster secret's proof (``kvpool.secret.call_proof``), saying nothing else."""
-        if not hmac.compare_digest(got, call_proof(self._secret, op, self.config.shard_id, reservation_id)):
+        if not hmac.compare_digest(got, call_proof(self._secret, op, reservation_id)):
             self.metrics.refused(op)
             raise PermissionError(f"{op}: not authenticated (the cluster secret's proof is missing or wrong)")
 

@@ -64,14 +64,14 @@ from kvpool.store import CommitResult, EntryInfo, StoreStats
 PULL_REPLY_GRACE_S = 2.0  # a pull client waits deadline_s + this for the reply (queueing, the lease release)
 
 
-def proof_for(shard_id: str, op: str) -> bytes:
-    """This process's proof for call ``op`` to ``shard_id`` (cached per secret, shard and op: one HMAC each)."""
-    return _proof(pool_secret(), shard_id, op)
+def proof_for(op: str) -> bytes:
+    """This process's proof for a shard call ``op`` (cached per secret and op: one HMAC each)."""
+    return _proof(pool_secret(), op)
 
 
-@functools.lru_cache(maxsize=4096)
-def _proof(secret: bytes, shard_id: str, op: str) -> bytes:
-    return call_proof(secret, op, shard_id)
+@functools.lru_cache(maxsize=256)
+def _proof(secret: bytes, op: str) -> bytes:
+    return call_proof(secret, op)
 
 
 def _get(ref: Any, deadline_s: float, what: str) -> bytes:
@@ -116,7 +116,7 @@ class ShardClient:
         self.deadline_s = deadline_s
 
     def _call(self, method: str, *args: Any, deadline_s: float | None = None) -> bytes:
-        ref = getattr(self.handle, method).remote(*args, proof_for(self.shard_id, method))
+        ref = getattr(self.handle, method).remote(*args, proof_for(method))
         return _get(ref, self.deadline_s if deadline_s is None else deadline_s, f"shard {self.shard_id}.{method}")
 
     def info(self) -> ShardInfo:
@@ -132,7 +132,7 @@ class ShardClient:
     def send_lookup(self, keys: Sequence[bytes], fingerprint: str) -> Any:
         """Send a lookup without waiting: the Ray object ref of its reply (``lookup_many`` waits for several)."""
         return self.handle.lookup.remote(encode(LookupRequest([bytes(k) for k in keys], fingerprint)),
-                                         proof_for(self.shard_id, "lookup"))
+                                         proof_for("lookup"))
 
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupReply:
         return decode(self._call("lookup", encode(LookupRequest(list(keys), fingerprint))), LookupReply)
@@ -147,7 +147,7 @@ class ShardClient:
 
     def release_nowait(self, lease_id: int) -> None:
         """Send the release and do not wait (Ray delivers it in order after the lease; the TTL ends it otherwise)."""
-        self.handle.release.remote(encode(ReleaseRequest(lease_id)), proof_for(self.shard_id, "release"))
+        self.handle.release.remote(encode(ReleaseRequest(lease_id)), proof_for("release"))
 
     def reserve(self, n: int) -> ReserveReply:
         return decode(self._call("reserve", encode(ReserveRequest(n))), ReserveReply)
@@ -156,7 +156,7 @@ class ShardClient:
         self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
         model: str = "",
     ) -> CommitResult:
-        proof = call_proof(pool_secret(), "commit", self.shard_id, reservation_id)
+        proof = call_proof(pool_secret(), "commit", reservation_id)
         req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model,
                             proof=proof)
         return decode(self._call("commit", encode(req)), CommitReply).result
@@ -234,20 +234,20 @@ class AsyncShardClient:
     def touch_nowait(self, keys: Sequence[bytes], fingerprint: str) -> None:
         """Send a ``TouchRequest`` and do not wait for it (a lost touch only ages a hot block a little sooner)."""
         self.handle.touch.remote(encode(TouchRequest([bytes(k) for k in keys], fingerprint)),
-                                 proof_for(self.shard_id, "touch"))
+                                 proof_for("touch"))
 
     async def stats(self, deadline_s: float = 5.0) -> StoreStats:
-        raw = await _aget(self.handle.stats.remote(proof_for(self.shard_id, "stats")), deadline_s,
+        raw = await _aget(self.handle.stats.remote(proof_for("stats")), deadline_s,
                           f"shard {self.shard_id}.stats")
         return decode(raw, StatsReply).stats
 
     async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch:
         ref = self.handle.events_since.remote(encode(EventsRequest(after_seq, max_events)),
-                                              proof_for(self.shard_id, "events_since"))
+                                              proof_for("events_since"))
         return decode_events(await _aget(ref, deadline_s, f"shard {self.shard_id}.events_since"))
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot:
-        raw = await _aget(self.handle.snapshot.remote(proof_for(self.shard_id, "snapshot")), deadline_s,
+        raw = await _aget(self.handle.snapshot.remote(proof_for("snapshot")), deadline_s,
                           f"shard {self.shard_id}.snapshot")
         return decode_snapshot(raw)
 
@@ -262,7 +262,7 @@ class AsyncShardClient:
     ) -> PullReply:
         """Like ``ShardClient.pull``."""
         req = pull_request(self.shard_id, source_shard_id, keys, fingerprint, deadline_s, lease_ttl_s)
-        ref = self.handle.pull.remote(encode(req), proof_for(self.shard_id, "pull"))
+        ref = self.handle.pull.remote(encode(req), proof_for("pull"))
         raw = await _aget(ref, deadline_s + PULL_REPLY_GRACE_S, f"shard {self.shard_id}.pull")
         return decode(raw, PullReply)
 

@@ -117,7 +117,7 @@ def _start_shards(
         raise
     if not handles:
         raise ShardUnavailableError("no alive node passed the filter: no pool shard started")
-    refs = [h.actor.info.remote(proof_for(h.shard_id, "info")) for h in handles]
+    refs = [h.actor.info.remote(proof_for("info")) for h in handles]
     try:
         infos = [decode(raw, ShardInfo) for raw in ray.get(refs, timeout=ready_deadline_s)]
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:

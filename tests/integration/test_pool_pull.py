@@ -259,7 +259,7 @@ def test_target_equals_source_raises(pool: Shards) -> None:
         pool.client("b").pull(pool.id("b"), keys, FP, deadline_s=1.0)
     raw = encode(PullRequest(pool.id("b"), keys, FP, 1.0))  # the shard refuses too, not only the client
     with pytest.raises(ValueError, match="same shard"):
-        ray.get(pool.by_node["b"].actor.pull.remote(raw, proof_for(pool.id("b"), "pull")), timeout=30)
+        ray.get(pool.by_node["b"].actor.pull.remote(raw, proof_for("pull")), timeout=30)
 
 
 def test_async_client(pool: Shards) -> None:
@@ -295,7 +295,7 @@ def test_frozen_then_killed_source(faults: Shards) -> None:
         took = time.monotonic() - t0
         # More pulls stuck on the frozen source than the actor has threads: its control path still answers.
         raw = encode(PullRequest(victim.shard_id, keys, FP, 2.0, 3.0))
-        proof = proof_for(faults.id("a"), "pull")
+        proof = proof_for("pull")
         stuck = [faults.by_node["a"].actor.pull.remote(raw, proof) for _ in range(10)]
         time.sleep(0.3)  # without a concurrency group of their own, every actor thread now waits ~1.7 s more
         t1 = time.monotonic()
