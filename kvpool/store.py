@@ -197,6 +197,11 @@ class _Entry:
     pins: int = 0
     move: Move | None = None  # in transit (``kvpool.tiering``): being demoted, promoted or read from SSD
 
+    @property
+    def idle(self) -> bool:
+        """Neither pinned nor in transit: it may be demoted, evicted, or give up its DRAM slot."""
+        return self.pins == 0 and self.move is None
+
 
 @dataclass(slots=True)
 class _Reserved:
@@ -561,7 +566,7 @@ class BlockStore:
             work: list[tuple[_Entry, Move]] = []
             for raw in keys:
                 e = self._entries.get(bytes(raw))
-                if e is not None and e.tier is Tier.DRAM and e.pins == 0 and e.move is None:
+                if e is not None and e.tier is Tier.DRAM and e.idle:
                     m = self._start_demote(e)
                     if m is not None:
                         work.append((e, m))
@@ -663,7 +668,7 @@ class BlockStore:
 
     def _evictable(self, key: bytes) -> bool:
         e = self._entries.get(key)
-        return e is not None and e.pins == 0 and e.move is None
+        return e is not None and e.idle
 
     def _servable(self, prefix: list[_Entry]) -> int:
         """Longest m such that the SSD blocks of prefix[:m] fit in DRAM: free slots plus unpinned DRAM blocks not in
@@ -673,12 +678,12 @@ class BlockStore:
         if n_ssd <= free:
             return len(prefix)
         supply = free + sum(1 for e in self._entries.values()
-                            if e.tier is Tier.DRAM and e.pins == 0 and e.move is None)
+                            if e.tier is Tier.DRAM and e.idle)
         need = 0
         for i, e in enumerate(prefix):
             if e.tier is Tier.SSD:
                 need += 1
-            elif e.pins == 0 and e.move is None:
+            elif e.idle:
                 supply -= 1  # a block of this lease cannot make room for it
             if need > supply:
                 return i

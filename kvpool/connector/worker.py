@@ -115,7 +115,6 @@ class WorkerSide:
                                    quantization=str(getattr(mc, "quantization", None) or ""))
         self.layout: KvLayout | None = None
         self.geometry: PoolGeometry | None = None
-        self.endpoint: TransferEndpoint | None = None
         self.agent_name = f"kvpool-engine-{uuid.uuid4().hex[:12]}"
         self.shards = PoolShards(cfg)
         self.saver_shards: PoolShards | None = None
@@ -133,6 +132,11 @@ class WorkerSide:
         self._records: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS)
         self._meta: KvPoolMetadata | None = None
 
+    @property
+    def endpoint(self) -> TransferEndpoint | None:
+        """The load endpoint: ``peers``' transfer endpoint (a fence replaces it), None before the KV caches."""
+        return self.peers.transfer_endpoint if self.peers is not None else None
+
     # ------------------------------------------------------------------ startup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         import torch
@@ -145,9 +149,7 @@ class WorkerSide:
         if not self.plan.usable:
             return
         self._check_local_slot(geometry.slot_bytes_needed)
-        self.endpoint = make_client_endpoint(self.cfg, self.agent_name)
-        self.peers = KnownPeers(self.endpoint, make_same_host_endpoint(self.cfg, self.agent_name),
-                                remake=lambda: make_client_endpoint(self.cfg, self.agent_name))
+        self.peers = self._peers_of(self.agent_name)
         by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
         for ptr, nbytes in storages:
             storage = by_ptr[ptr].untyped_storage()
@@ -160,11 +162,17 @@ class WorkerSide:
             # its own clients (and breaker): the saver's thread shares nothing with the loads
             self.saver_shards = saver_shards = PoolShards(self.cfg)
             name = f"{self.agent_name}-saver"
-            peers = KnownPeers(make_client_endpoint(self.cfg, name), make_same_host_endpoint(self.cfg, name),
-                               remake=lambda: make_client_endpoint(self.cfg, name))
+            peers = self._peers_of(name)
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
                                     slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
                                     deadline_s=self.cfg.save_deadline_s, model=self.model_id)
+
+    def _peers_of(self, agent_name: str) -> KnownPeers:
+        """Endpoints for ``agent_name``: a transfer endpoint (remade by a fence) and the shared-memory one."""
+        def make() -> TransferEndpoint:
+            return make_client_endpoint(self.cfg, agent_name)
+
+        return KnownPeers(make(), make_same_host_endpoint(self.cfg, agent_name), remake=make)
 
     def _check_local_slot(self, needed: int) -> None:
         """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""
@@ -317,7 +325,6 @@ class WorkerSide:
             log.warning("kvpool connector: a read from %s may still land after its deadline: fencing the endpoint",
                         head.shard_id)
             self.peers.fence()
-            self.endpoint = self.peers.transfer_endpoint
             self.stats.load_fences += 1
         if result.failed and not result.ok:  # it served nothing (a deadline, a dead peer): skip it for a while
             self.shards.breaker.failure(head.shard_id)
@@ -434,6 +441,3 @@ class WorkerSide:
         if self.peers is not None:
             self.peers.close()  # the transfer endpoint and the shared-memory one
             self.peers = None
-        elif self.endpoint is not None:
-            self.endpoint.close()
-        self.endpoint = None

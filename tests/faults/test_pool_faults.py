@@ -47,6 +47,7 @@ HOOKED = ("HookedKvPoolConnector", "tests.faults.pool_fault_connector")
 FULL_DRAM, FULL_SSD = 12, 6  # case 1's shard: a tiny DRAM tier over a tinier SSD tier
 TIGHT_DRAM = 32  # cases 2 and 3: DRAM only, so a reservation of every slot evicts every unpinned block
 LEASE_TTL_S = 2.0  # cases 2 and 3: the connector's lease TTL (a healthy load reads within milliseconds)
+TIGHT_MODEL = "faults-tight"  # cases 2 and 3: the model id of their engine on the "tight" shard
 REQUEST_S = 30.0  # no request of a healthy or faulted phase takes longer (a prefill of ~500 tokens: ~1 s here)
 
 
@@ -156,6 +157,17 @@ def engine(engines: Any, key: str, tiny_models: dict[str, str], cfg: Any) -> Any
     return engines.get(("pool-faults", key), spec, cfg, connector_class=HOOKED)
 
 
+def tight_case(engines: Any, extra: Extra, tiny_models: dict[str, str], warm: dict[str, list[int]]
+               ) -> tuple[Any, Any, Run, dict[str, int]]:
+    """Cases 2 and 3: the engine on the DRAM-only "tight" shard with the short lease TTL (one engine for both),
+    its client, a ``Run`` after the ``warm`` prompts (their blocks saved) and the counters then."""
+    llm = engine(engines, "tight", tiny_models,
+                 extra.config("tight", model_id=TIGHT_MODEL, lease_ttl_s=LEASE_TTL_S))
+    run = Run(llm)
+    run.go(warm)
+    return llm, extra.client("tight"), run, counters(llm)
+
+
 def counters(llm: Any) -> dict[str, int]:
     """The connector's counters, flat (``<role>.<name>``), once its pool calls and saves so far are done."""
     stats = connector_stats(llm)
@@ -234,13 +246,9 @@ def test_full_pool_refuses_saves_and_serving_goes_on(pool: Any, extra: Extra, en
 def test_blocks_evicted_between_lookup_and_lease_are_recomputed(pool: Any, extra: Extra, engines: Any,
                                                                 tiny_models: dict[str, str]) -> None:
     t_start = time.perf_counter()
-    model_id = "faults-tight"
-    llm = engine(engines, "tight", tiny_models, extra.config("tight", model_id=model_id, lease_ttl_s=LEASE_TTL_S))
-    client = extra.client("tight")
-    run = Run(llm)
+    model_id = TIGHT_MODEL
     warm = phase("warm", 2, prefixes=2, seed=31)
-    run.go(warm)
-    c0 = counters(llm)
+    llm, client, run, c0 = tight_case(engines, extra, tiny_models, warm)
     promised: dict[str, int] = {}
 
     def evict_all_but_first(sched: Any, request: Any, n_ext: int) -> bool:
@@ -297,13 +305,8 @@ def test_lease_expired_before_the_load_is_never_data(pool: Any, extra: Extra, en
     from kvpool.transfer.base import BlockOp
 
     t_start = time.perf_counter()
-    model_id = "faults-tight"
-    llm = engine(engines, "tight", tiny_models, extra.config("tight", model_id=model_id, lease_ttl_s=LEASE_TTL_S))
-    client = extra.client("tight")
-    run = Run(llm)
     warm = phase("warm-ttl", 1, prefixes=1, seed=41)
-    run.go(warm)
-    c0 = counters(llm)
+    llm, client, run, c0 = tight_case(engines, extra, tiny_models, warm)
     expired0 = client.stats().counters["leases_expired"]
     rewritten: dict[str, Any] = {}
 
