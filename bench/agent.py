@@ -267,7 +267,7 @@ async def run_session(
             "temperature": opts.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "timeout": min(opts.request_timeout_s, budget.remaining_s()),
+            "timeout": opts.request_timeout_s,  # the run's deadline cancels (run_sessions), never fails, a request
         }
         if tools is not None:
             kwargs["tools"] = tools

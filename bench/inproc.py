@@ -43,6 +43,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "bfloat16"
     prefix_caching: bool = True
     seed: int = 0
+    tensor_parallel: int = 1  # > 1: vLLM's multiprocess executor, one worker process per rank, one core each
 
 
 class GenResult(msgspec.Struct, frozen=True):
@@ -71,19 +72,39 @@ def make_llm(spec: EngineSpec, connector: Any | None = None, *, connector_class:
 
         names = {"connector": connector_class[0], "module_path": connector_class[1]} if connector_class else {}
         kwargs["kv_transfer_config"] = kv_transfer_config(connector, **names)
-    return LLM(
-        model=spec.model,
-        kv_cache_memory_bytes=spec.kv_cache_bytes,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        max_model_len=spec.max_model_len,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_num_seqs=spec.max_num_seqs,
-        enable_prefix_caching=spec.prefix_caching,
-        dtype=spec.dtype,
-        seed=spec.seed,
-        **kwargs,
-    )
+    def build() -> Any:
+        return LLM(
+            model=spec.model,
+            kv_cache_memory_bytes=spec.kv_cache_bytes,
+            enforce_eager=True,
+            # tensor-parallel: one worker process per rank (vLLM's multiprocess executor)
+            distributed_executor_backend="mp" if spec.tensor_parallel > 1 else "uni",
+            tensor_parallel_size=spec.tensor_parallel,
+            max_model_len=spec.max_model_len,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_num_seqs=spec.max_num_seqs,
+            enable_prefix_caching=spec.prefix_caching,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            **kwargs,
+        )
+
+    return _with_bound_ranks(spec.tensor_parallel, build) if spec.tensor_parallel > 1 else build()
+
+
+def _with_bound_ranks(ranks: int, build: Any) -> Any:
+    """``build()`` with ``VLLM_CPU_OMP_THREADS_BIND`` set for ``ranks`` worker processes (the CPU build refuses to
+    place several workers on one NUMA node by itself): one core each, the first of this process's cores. The
+    workers inherit it when they start; vLLM's ``set_env_var`` puts the variable back after."""
+    from vllm.utils.system_utils import set_env_var
+
+    from deployments.cpu_placement import vllm_cpu_bind
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise RuntimeError(f"{ranks} tensor-parallel ranks need {ranks} cores; this process may use {len(cores)}")
+    with set_env_var("VLLM_CPU_OMP_THREADS_BIND", vllm_cpu_bind(cores[:ranks], ranks)):
+        return build()
 
 
 def placement() -> dict[str, Any]:
@@ -131,12 +152,17 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> GenResult:
 
 
 def settle(llm: Any, deadline_s: float = 30.0) -> None:
-    """Wait (bounded) until the in-process connector's pool calls and loads started so far are done."""
+    """Wait (bounded) until the in-process connector's pool calls and loads started so far are done (the workers'
+    loads through ``collective_rpc`` when they run in their own processes: tensor-parallel engines)."""
     sched, worker = scheduler_connector(llm), worker_connector(llm)
     if sched is not None:
         sched.wait_idle(deadline_s)
     if worker is not None:
         worker.wait_loads(deadline_s)
+    elif sched is not None and sched.tp_world > 1:
+        from kvpool.connector.kv_connector import settle_worker
+
+        llm.collective_rpc(settle_worker, args=(deadline_s,))
 
 
 def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
@@ -208,6 +234,12 @@ def connector_stats(llm: Any, *, settle_s: float = 30.0) -> dict[str, Any]:
         out["held_leases"] = sched.held_leases()
         out["scheduler_breaker"] = dataclasses.asdict(sched.shards.breaker.stats)
         out["save_book"] = dataclasses.asdict(sched.book.stats)
+    if worker is None and sched is not None and sched.tp_world > 1:  # the workers run in their own processes
+        from kvpool.connector.kv_connector import worker_counters
+
+        ranks = [r for r in llm.collective_rpc(worker_counters, args=(settle_s,)) if r is not None]
+        out["workers"] = sorted(ranks, key=lambda r: r["tp_rank"])
+        out["worker"] = {k: sum(r[k] for r in ranks) for k in ranks[0] if k != "tp_rank"} if ranks else {}
     if worker is not None:
         worker.wait_saves(settle_s)
         out["worker"] = worker.stats_dict()

@@ -15,6 +15,9 @@ What one run does:
    requests saw it), its percentiles interpolated within buckets (``bench.prom.histogram_quantile``). Waits (at most
    ``LEASE_DRAIN_S``) for the pool's leases to drain (releases are asynchronous) and records every shard's blocks
    and live leases (``/kvstack/status``; goal: 0 leases); RSS again (processes gone or new are listed).
+   During the load the RSS of every process is also sampled every ``--rss-interval-s`` (``RssSampler``), and each
+   process's growth is split into the run's first and second half (``rss_trend``): KV pages or an arena being
+   touched as they fill up grow early and flatten; a leak keeps growing in the second half.
 5. Spot check (``--spot-sessions`` > 0): ``bench.oracle.compare`` through the pool as the soak left it — fresh
    sessions, one request at a time, every replica's HBM emptied after each round so revisits come from the pool —
    each greedy answer judged against plain vLLM (``bench.oracle.ReferenceServer``, started only once the load is
@@ -64,6 +67,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--duration-s", type=float, default=600.0)
     g.add_argument("--in-flight", type=int, default=16, help="agent sessions at once (new ones wait for a slot)")
     g.add_argument("--request-timeout-s", type=float, default=120.0)
+    g.add_argument("--rss-interval-s", type=float, default=30.0, help="RSS sampling period during the load")
     add_workload_args(parser)  # the agent workload's knobs, sized as live-compare's (prompts fit the tiny models)
     parser.set_defaults(**{**WORKLOAD_DEFAULTS, "sessions_per_s": 4.0, "think_time_s": 0.5})
     g = parser.add_argument_group("spot check")
@@ -114,6 +118,62 @@ def rss_change(start: dict[int, dict[str, Any]], end: dict[int, dict[str, Any]])
         "gone": sum(r["rss_end_mib"] is None for r in rows),
         "new": sum(r["rss_start_mib"] is None for r in rows),
     }
+
+
+class RssSampler:
+    """``session_rss(pid)`` every ``interval_s`` on a thread of its own, from ``start()`` to ``stop()`` (which takes
+    one last sample): ``samples`` is [(seconds since start, {pid: {label, rss_mib}})]."""
+
+    def __init__(self, pid: int, interval_s: float, measure: Any = None) -> None:
+        import threading
+
+        if interval_s <= 0:
+            raise ValueError(f"rss interval must be positive, got {interval_s}")
+        self.pid, self.interval_s = pid, interval_s
+        self._measure = measure or session_rss
+        self.samples: list[tuple[float, dict[int, dict[str, Any]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
+        self._t0 = 0.0
+
+    def start(self) -> RssSampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        self.samples.append((round(time.monotonic() - self._t0, 1), self._measure(self.pid)))
+
+    def _run(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def stop(self) -> list[tuple[float, dict[int, dict[str, Any]]]]:
+        self._stop.set()
+        self._thread.join(timeout=60.0)
+        self._sample()
+        return self.samples
+
+
+def rss_trend(samples: list[tuple[float, dict[int, dict[str, Any]]]]) -> dict[str, Any]:
+    """The RSS series (total per sample) and, per process present in every sample, its growth over the first and
+    the second half of the run (the sample nearest the middle splits them); ``growing`` lists the processes whose
+    second half grew by more than ``max(16 MiB, 10%)`` of what they held at the middle: the leak candidates."""
+    if not samples:
+        return {"series": [], "processes": [], "growing": []}
+    series = [{"t_s": t, "total_mib": round(sum(v["rss_mib"] for v in procs.values()), 1)} for t, procs in samples]
+    t_end = samples[-1][0]
+    mid = min(range(len(samples)), key=lambda i: abs(samples[i][0] - t_end / 2))
+    first, middle, last = samples[0][1], samples[mid][1], samples[-1][1]
+    rows = []
+    for pid in sorted(set(first).intersection(*(procs for _, procs in samples))):
+        a, m, b = first[pid]["rss_mib"], middle[pid]["rss_mib"], last[pid]["rss_mib"]
+        rows.append({"pid": pid, "label": last[pid]["label"], "first_half_mib": round(m - a, 1),
+                     "second_half_mib": round(b - m, 1)})
+    rows.sort(key=lambda r: -r["second_half_mib"])
+    growing = [r for r in rows if r["second_half_mib"] > max(16.0, 0.1 * middle[r["pid"]]["rss_mib"])]
+    return {"series": series, "processes": rows, "growing": growing}
 
 
 def metrics_text(endpoint: str) -> str:
@@ -204,7 +264,11 @@ def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) ->
     before = metrics_text(endpoint)
     t0 = time.monotonic()
     print(f"[soak] {args.duration_s:.0f} s at {args.in_flight} sessions in flight", file=sys.stderr, flush=True)
-    records, extra, model = asyncio.run(agent_load(endpoint, args))
+    sampler = RssSampler(server_pid, args.rss_interval_s).start() if server_pid else None
+    try:
+        records, extra, model = asyncio.run(agent_load(endpoint, args))
+    finally:
+        samples = sampler.stop() if sampler is not None else []
     wall = time.monotonic() - t0
     after = metrics_text(endpoint)
     pool = pool_state(endpoint)
@@ -216,7 +280,7 @@ def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) ->
         **summary,
         "step_s": step_times(before, after),
         "pool_end": pool,
-        "rss": rss_change(rss_start, rss_end) if server_pid else None,
+        "rss": {**rss_change(rss_start, rss_end), "during_load": rss_trend(samples)} if server_pid else None,
     }
     if args.spot_sessions > 0:
         print("[soak] spot check against plain vLLM", file=sys.stderr, flush=True)

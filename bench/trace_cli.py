@@ -75,7 +75,7 @@ async def _one(
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "timeout": min(args.request_timeout_s, max(budget.remaining_s(), 0.001)),
+        "timeout": args.request_timeout_s,  # the run's deadline cancels (replay), never fails, a request
     }
     if extra_body:
         common["extra_body"] = extra_body

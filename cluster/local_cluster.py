@@ -7,27 +7,36 @@ resource, ``kvstack_worker``, and ``node_<name>`` when the workers are named) so
 spread or pinned. The environment is one dict (``LOCAL_CLUSTER_ENV``): ``start`` sets what the caller has not set,
 ``shutdown`` puts the process environment back. Pitfalls handled here (measured on this kind of machine):
 - node IP 127.0.0.1 is rewritten to the host IP → nodes use 127.0.0.2, .3, …;
-- ``~/.ray/auth_token`` turns token auth on → ``RAY_AUTH_MODE=disabled`` for these local clusters;
+- Ray's gRPC servers listen on every interface whatever the node IP, so a cluster without authentication runs code
+  for anyone who reaches the host → Ray's token authentication is on with a token generated for this cluster
+  (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN`` in the environment its processes inherit, which Ray prefers to
+  ``~/.ray/auth_token``), unless the caller chose ``RAY_AUTH_MODE`` itself (the test suite: ``disabled``);
 - default ports collide with other Ray instances → every port is picked free;
 - worker nodes must join one at a time → ``add_node(wait=True)`` in sequence;
 - Serve's 5 s proxy readiness check flakes on a loaded 2-core box → ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``;
-- shut down with ``Cluster.shutdown()`` (own processes only), never ``ray stop`` (would kill other clusters).
+- shut down with ``Cluster.shutdown()`` (own processes only), never ``ray stop`` (would kill other clusters);
+- Ray gives a new node's raylet a fixed 30 s to register with the GCS ("The current node timed out during startup"),
+  which a loaded 2-core box can miss (seen in CI) → a start that fails so is torn down, the processes it left are
+  ended (found by this cluster's private temp dir in their command lines), and it is tried again from scratch, at
+  most ``start_attempts`` times.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 # Environment every process of a local cluster needs; applied by ``prepare_environment`` (called by entrypoints,
 # never at import time).
 LOCAL_CLUSTER_ENV = {
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
@@ -49,6 +58,39 @@ def prepare_environment(overrides: dict[str, str] | None = None) -> None:
     """Set the local-cluster environment for this process and the Ray processes it starts."""
     for key, value in {**LOCAL_CLUSTER_ENV, **(overrides or {})}.items():
         os.environ.setdefault(key, value)
+
+
+RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def ensure_ray_token(environ: MutableMapping[str, str] | None = None) -> str:
+    """Ray's authentication mode for a local cluster started with ``environ`` (default ``os.environ``): the
+    caller's ``RAY_AUTH_MODE`` if it set one, else ``token`` with a fresh random ``RAY_AUTH_TOKEN`` (kept if the
+    caller set one), which every process of the cluster inherits and a process without it cannot connect with."""
+    env = os.environ if environ is None else environ
+    if not env.get("RAY_AUTH_MODE"):
+        env["RAY_AUTH_MODE"] = "token"
+        if not env.get("RAY_AUTH_TOKEN"):
+            import secrets
+
+            env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        if environ is None:
+            _reload_ray_auth()
+    return env["RAY_AUTH_MODE"]
+
+
+def _reload_ray_auth() -> None:
+    """Make this process's Ray read its authentication settings again: Ray reads ``RAY_AUTH_MODE`` and the token
+    once, when its core module is first imported (by then the CLI has usually imported Ray), and this process is
+    the cluster's first driver. The same two calls Ray's own tests use to switch modes in a process."""
+    import sys
+
+    if "ray._raylet" not in sys.modules:
+        return  # not read yet: Ray reads the environment just set when it is imported
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,11 +122,11 @@ class LocalCluster:
     worker_names: tuple[str, ...] | None = None  # also adds a ``node_<name>`` resource per worker
     logging_level: str = "WARNING"
     log_to_driver: bool = True
+    start_attempts: int = 3
     nodes: list[NodeInfo] = field(default_factory=list)
 
     def start(self) -> LocalCluster:
         import ray
-        from ray.cluster_utils import Cluster
 
         if self.worker_names is not None and len(self.worker_names) != self.workers:
             raise ValueError(f"{self.workers} workers but {len(self.worker_names)} worker names")
@@ -93,34 +135,63 @@ class LocalCluster:
         # Ray writes its "current cluster" address file under RAY_TMPDIR: keep it private too.
         from kvpool.secret import POOL_SECRET_ENV, ensure_pool_secret
 
-        self._saved_env = {k: os.environ.get(k) for k in (*LOCAL_CLUSTER_ENV, "RAY_TMPDIR", POOL_SECRET_ENV)}
+        self._saved_env = {k: os.environ.get(k) for k in (*LOCAL_CLUSTER_ENV, "RAY_TMPDIR", POOL_SECRET_ENV,
+                                                          *RAY_AUTH_ENV)}
         prepare_environment()
         ensure_pool_secret()  # the pool's cluster secret (kvpool.secret): every Ray process started here inherits it
+        ensure_ray_token()
         os.environ["RAY_TMPDIR"] = self._tmp
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                self._start_nodes()
+                break
+            except Exception as exc:
+                if not is_node_startup_timeout(exc) or attempt == self.start_attempts:
+                    self.shutdown()
+                    raise
+                logger.warning("local cluster: a node missed Ray's startup deadline (attempt %d of %d); starting "
+                               "again", attempt, self.start_attempts)
+                self._tear_down_nodes()
+        ray.init(address=self._cluster.address, namespace=self.namespace, logging_level=self.logging_level,
+                 log_to_driver=self.log_to_driver)
+        return self
+
+    def _start_nodes(self) -> None:
+        from ray.cluster_utils import Cluster
+
         ray_dir = os.path.join(self._tmp, "ray")
         os.makedirs(ray_dir, exist_ok=True)
         head_ip = f"127.0.0.{self.first_ip}"
-        self._cluster = Cluster(
-            initialize_head=True,
-            connect=False,
-            head_node_args=dict(
-                node_ip_address=head_ip,
-                gcs_server_port=free_port(head_ip),
-                num_cpus=self.head_cpus,
-                resources={"kvstack_head": 1},
-                object_store_memory=self.object_store_bytes,
-                include_dashboard=False,
-                temp_dir=ray_dir,
-                metrics_export_port=free_port(head_ip),
-                ray_client_server_port=free_port(head_ip),
-            ),
+        self.nodes = []
+        self._cluster = Cluster(initialize_head=False, connect=False)
+        self._cluster.add_node(
+            node_ip_address=head_ip,
+            gcs_server_port=free_port(head_ip),
+            num_cpus=self.head_cpus,
+            resources={"kvstack_head": 1},
+            object_store_memory=self.object_store_bytes,
+            include_dashboard=False,
+            temp_dir=ray_dir,
+            metrics_export_port=free_port(head_ip),
+            ray_client_server_port=free_port(head_ip),
         )
         self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus, "head")]
         for _ in range(self.workers):
             self.add_worker()
-        ray.init(address=self._cluster.address, namespace=self.namespace, logging_level=self.logging_level,
-                 log_to_driver=self.log_to_driver)
-        return self
+
+    def _tear_down_nodes(self) -> None:
+        """End what a failed start left: the nodes Ray knows, then any process of this cluster's temp dir (a node
+        whose start raised is known to no one)."""
+        cluster = getattr(self, "_cluster", None)
+        if cluster is not None:
+            try:
+                cluster.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; the sweep below ends what is left
+                logger.warning("local cluster: shutting down a failed start", exc_info=True)
+            self._cluster = None
+        tmp = getattr(self, "_tmp", None)
+        if tmp:
+            end_processes_of(tmp)
 
     def add_worker(self) -> NodeInfo:
         """One more worker node (the next loopback address, ``cpus_per_worker`` CPUs), as an autoscaler adds one."""
@@ -163,6 +234,7 @@ class LocalCluster:
                 self._cluster = None
             tmp = getattr(self, "_tmp", None)
             if tmp:
+                end_processes_of(tmp)  # what Ray's own shutdown left running (a node whose start failed)
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._tmp = None
             for key, value in getattr(self, "_saved_env", {}).items():
@@ -171,6 +243,38 @@ class LocalCluster:
                 else:
                     os.environ[key] = value
             self._saved_env = {}
+
+
+def is_node_startup_timeout(exc: BaseException) -> bool:
+    """Ray's own words when a node's raylet did not register with the GCS within its fixed 30 s."""
+    return "timed out during startup" in str(exc)
+
+
+def end_processes_of(tmp: str, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process whose command line names ``tmp`` (a local cluster's
+    private temp dir: every Ray process of that cluster has it in its arguments, no other process has). Returns
+    their pids."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(tmp in arg for arg in proc.info["cmdline"] or ()):
+                procs.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in procs]
 
 
 @contextmanager

@@ -157,8 +157,8 @@ class PoolSettings(Strict):
 class IngressDeploymentSettings(AccessSettings):
     """The OpenAI ingress (router) Serve deployment (its runtime settings: ``router.ingress_settings``), who may
     call it and how much it holds (``router.access.AccessSettings``: API keys file, ``metrics_need_key``,
-    ``max_queued_requests``), and the options of the vLLM OpenAI serving layer it runs (``vllm serve`` flag names:
-    tool parser, chat template...)."""
+    ``max_queued_requests``, ``tenant_tokens_per_minute``), and the options of the vLLM OpenAI serving layer it
+    runs (``vllm serve`` flag names: tool parser, chat template...)."""
 
     num_replicas: int = Field(default=1, ge=1)
     openai: OpenAIFrontendSettings = Field(default_factory=OpenAIFrontendSettings)

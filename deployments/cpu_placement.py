@@ -10,10 +10,11 @@ those, whatever else is configured.
 Who calls what:
 - ``deployments.replica.VLLMReplica.__init__`` calls ``claim_cores(threads, binding)`` before its engine starts
   (on GPUs preferring the NUMA node of its GPU, as vLLM's platform reports it),
-  then applies ``engine_environment(placement, gpu=...)`` to the process environment that vLLM's engine-core and
-  worker processes inherit (CPU build: ``VLLM_CPU_OMP_THREADS_BIND`` and the multiprocess executor that applies
-  it; both builds: ``OMP_NUM_THREADS``) and passes ``engine_arguments(...)`` — on GPUs vLLM's own ``numa_bind`` /
-  ``numa_bind_cpus``, when ``numactl`` is installed — to the engine.
+  then ``engine_binding(placement, gpu=..., ranks=...)`` (``ranks``: the engine's tensor × pipeline parallel
+  worker processes, each bound to its share of the cores): it applies the environment to the process environment
+  that vLLM's engine-core and worker processes inherit (CPU build: ``VLLM_CPU_OMP_THREADS_BIND`` and the
+  multiprocess executor that applies it; both builds: ``OMP_NUM_THREADS``) and passes the engine arguments — on
+  GPUs vLLM's own ``numa_bind`` / ``numa_bind_cpus``, when ``numactl`` is installed — to the engine.
 - ``bench.oracle`` binds its plain-vLLM reference with the same ``engine_environment``. The
   replica holds the returned ``CoreClaim`` for its whole life and reports ``claim.placement`` (a
   ``router.hub.ReplicaPlacement``) to the hub, so ``kvstack serve`` prints it and ``kvstack status`` shows it.
@@ -39,6 +40,7 @@ one NUMA node when one has enough, and refuses with a message naming the cores a
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import time
@@ -51,6 +53,8 @@ from kvpool.lockfiles import reap_if_orphan
 from router.hub import CpuBinding, ReplicaPlacement
 
 MUTEX_DEADLINE_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def default_claims_dir() -> str:
@@ -244,3 +248,23 @@ def engine_arguments(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1) 
     if not gpu or shutil.which("numactl") is None:
         return {}
     return {"numa_bind": True, "numa_bind_cpus": vllm_cpu_bind(list(placement.cores), ranks).split("|")}
+
+
+def engine_binding(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1) -> tuple[dict[str, str],
+                                                                                      dict[str, object]]:
+    """(``engine_environment``, ``engine_arguments``) for an engine of ``ranks`` worker processes (tensor × pipeline
+    parallel). CPU build: each rank computes on its own share of the claimed cores, so cores that do not split
+    evenly are refused (``PlacementError``, naming the setting to change); GPU build: the cores only host threads,
+    so an uneven split leaves vLLM's NUMA binding off instead (logged)."""
+    uneven = len(placement.cores) % ranks != 0
+    if uneven and not gpu:
+        raise PlacementError(
+            f"the engine's {ranks} CPU worker processes (tensor × pipeline parallel) each need their share of the "
+            f"replica's cores; it has {len(placement.cores)} ({placement.cores}): set app.replicas.threads (and "
+            f"num_cpus) to a multiple of {ranks}")
+    env = engine_environment(placement, gpu=gpu, ranks=ranks)
+    if uneven:
+        log.warning("%d cores do not split over %d GPU workers: vLLM's NUMA binding is off", len(placement.cores),
+                    ranks)
+        return env, {}
+    return env, engine_arguments(placement, gpu=gpu, ranks=ranks)

@@ -17,9 +17,12 @@ server in ``kvstack bench oracle`` and Ray Serve LLM's anchor all start from.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from configs.schema import ModelSpec
 
 # Engine arguments kvstack sets itself (deployments.replica.build_engine_args), with the reason a user may not.
 RESERVED_ENGINE_ARGS: dict[str, str] = {
@@ -102,10 +105,13 @@ class EngineSettings(BaseModel):
         that vLLM and ``configs.hf_model`` resolve through the Hugging Face cache)."""
         return self.model
 
+    def tensor_parallel_size(self) -> int:
+        """The engine's tensor-parallel ranks (each stores its heads in the pool under its own keys)."""
+        return int(self.extra_engine_args().get("tensor_parallel_size", 1))
+
     def parallel_size(self) -> int:
         """GPUs one replica's engine spans (tensor × pipeline parallel)."""
-        extra = self.extra_engine_args()
-        return int(extra.get("tensor_parallel_size", 1)) * int(extra.get("pipeline_parallel_size", 1))
+        return self.tensor_parallel_size() * int(self.extra_engine_args().get("pipeline_parallel_size", 1))
 
     def vllm_engine_kwargs(self) -> dict[str, Any]:
         """The vLLM engine arguments these settings stand for (``AsyncEngineArgs`` keywords, as written: parse them
@@ -134,22 +140,34 @@ class EngineSettings(BaseModel):
         """KV blocks the engine can hold (for the router's HBM prefix estimate)."""
         if self.kv_cache_memory_bytes is None:
             return 1 << 20
-        per_token = self.kv_bytes_per_token or kv_bytes_per_token_from_model(self.model_path)
+        per_token = self.kv_bytes_per_token or kv_bytes_per_token_from_model(self.model_path, *self.kv_dtypes())
         return max(1, self.kv_cache_memory_bytes // (per_token * self.block_size))
 
-
-def kv_bytes_per_token_from_model(model: str) -> int:
-    """KV bytes per token of the model's full-attention layers at 2 bytes an element (the HBM ledger's unit), from
-    its config (``configs.hf_model``)."""
-    from configs.hf_model import model_spec_from_config, read_config
-
-    return model_spec_from_config("ledger", read_config(model), 1.0, dtype="bf16").kv_bytes_per_token()
+    def kv_dtypes(self) -> tuple[str, str | None]:
+        """(``dtype``, ``kv_cache_dtype``): what the engine stores its KV as (``configs.hf_model.spec_dtype``)."""
+        return self.dtype, self.extra_engine_args().get("kv_cache_dtype")
 
 
-def pool_slot_bytes_from_model(model: str, block_size: int) -> int:
+def _kv_spec(model: str, dtype: str | None, kv_cache_dtype: str | None) -> ModelSpec:
+    """The model's ``ModelSpec`` from its config alone (no weight headers: the KV shapes need none) at the engine's
+    KV element type (``dtype`` or ``kv_cache_dtype``, else the config's: ``configs.hf_model.spec_dtype``)."""
+    from configs.hf_model import model_spec_from_config, read_config, spec_dtype
+
+    cfg = read_config(model)
+    return model_spec_from_config("kv", cfg, 1.0, dtype=spec_dtype(cfg, dtype, kv_cache_dtype))
+
+
+def kv_bytes_per_token_from_model(model: str, dtype: str | None = None, kv_cache_dtype: str | None = None) -> int:
+    """KV bytes per token of the model's full-attention layers at the engine's KV element type, from its config."""
+    return _kv_spec(model, dtype, kv_cache_dtype).kv_bytes_per_token()
+
+
+def pool_slot_bytes_from_model(model: str, block_size: int, dtype: str | None = None,
+                               kv_cache_dtype: str | None = None) -> int:
     """One pool slot: a block of every full-attention layer, or a hybrid's linear-state snapshot (gated delta net:
-    conv tail + recurrent state over all linear layers, bf16 as the CPU build keeps them), whichever is larger.
-    The connector refuses a pool whose slots are smaller than what its registered layout needs."""
-    from configs.hf_model import model_spec_from_config, pool_slot_bytes, read_config
+    conv tail + recurrent state over all linear layers), whichever is larger, at the engine's KV element type (a
+    float32 engine's blocks are twice a bfloat16 one's). The connector refuses a pool whose slots are smaller than
+    what its registered layout needs."""
+    from configs.hf_model import pool_slot_bytes
 
-    return pool_slot_bytes(model_spec_from_config("pool", read_config(model), 1.0, dtype="bf16"), block_size)
+    return pool_slot_bytes(_kv_spec(model, dtype, kv_cache_dtype), block_size)

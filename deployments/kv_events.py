@@ -5,10 +5,13 @@ Who calls what: ``deployments.replica.VLLMReplica`` starts the engine with a ``K
 binds that port (vLLM's publisher connects to a non-wildcard endpoint) before the engine starts. vLLM publishes
 ``BlockStored`` (its block hashes, the parent hash, the blocks' token ids), ``BlockRemoved`` and
 ``AllBlocksCleared`` whenever its prefix cache changes. The subscriber re-chains the token ids with
-``kvpool.keys.chain_keys`` from the parent's kvstack key (or the namespace root for a first block), so the keys are
-exactly the ones the ingress computes for a prompt, and feeds them to the ``HbmPrefixLedger`` that the replica
-reports to the hub. A stored block whose parent it never saw (events lost) is skipped: under-reporting costs a
-missed HOLDER, never a wrong one. Every wait is bounded (poll timeout) so ``stop()`` returns promptly.
+``kvpool.keys.chain_keys`` from the parent's kvstack key, or for a first block from the namespace root of the salt
+vLLM hashed into it (the event's ``extra_keys``: vLLM salts a request's first block with its ``cache_salt``, the
+request's ``kvpool.keys.request_salt``), so the keys are exactly the ones the ingress computes for that prompt and
+tenant, and feeds them to the ``HbmPrefixLedger`` that the replica reports to the hub. A stored block whose parent
+it never saw (events lost), or whose first block's extra keys are not a bare salt (LoRA, multimodal), is skipped:
+under-reporting costs a missed HOLDER, never a wrong one (nor one tenant's HOLDER on another's prefix). Every wait is
+bounded (poll timeout) so ``stop()`` returns promptly.
 """
 
 from __future__ import annotations
@@ -32,19 +35,36 @@ def events_config(port: int, topic: str = "kvstack") -> Any:
                           topic=topic)
 
 
-class KeyTranslator:
-    """vLLM block hash → kvstack key, from the stream of vLLM events (pure; unit-tested without an engine)."""
+def first_block_salt(extra_keys: list[Any] | None) -> str | None:
+    """The cache salt vLLM hashed into a request's first block, from a ``BlockStored``'s ``extra_keys`` ("" for
+    none); None when the block's extra keys are more than a salt (a LoRA name, multimodal items): not ours to key."""
+    entry = extra_keys[0] if extra_keys else None
+    if not entry:
+        return ""
+    if len(entry) == 1 and isinstance(entry[0], str):
+        return entry[0]
+    return None
 
-    def __init__(self, root: BlockKey, on_stored: Callable[[list[bytes]], None],
+
+class KeyTranslator:
+    """vLLM block hash → kvstack key, from the stream of vLLM events (pure; unit-tested without an engine).
+    ``root_of(salt)``: the namespace root of a request salted ``salt`` (the replica's ``key_root``)."""
+
+    def __init__(self, root_of: Callable[[str], BlockKey], on_stored: Callable[[list[bytes]], None],
                  on_removed: Callable[[list[bytes]], None], on_cleared: Callable[[], None]) -> None:
-        self.root = root
+        self.root_of = root_of
         self._keys: dict[Any, bytes] = {}
         self._on_stored, self._on_removed, self._on_cleared = on_stored, on_removed, on_cleared
         self.skipped = 0
 
-    def stored(self, block_hashes: list[Any], parent: Any | None, token_ids: list[int], block_size: int) -> None:
+    def stored(self, block_hashes: list[Any], parent: Any | None, token_ids: list[int], block_size: int,
+               first_salt: str | None = "") -> None:
+        """``first_salt``: for a first block (no parent), the salt vLLM hashed into it (None: unknown, skipped)."""
         if parent is None:
-            prev = self.root
+            if first_salt is None:
+                self.skipped += len(block_hashes)
+                return
+            prev = self.root_of(first_salt)
         elif parent in self._keys:
             prev = BlockKey(self._keys[parent])
         else:
@@ -69,7 +89,11 @@ class KeyTranslator:
         if name == "BlockStored":
             if getattr(event, "group_idx", None) not in (None, 0):
                 return  # hybrid models: the full-attention group's events are the prefix; others repeat it
-            self.stored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size)
+            salt = "" if event.parent_block_hash is not None else first_block_salt(getattr(event, "extra_keys", None))
+            if getattr(event, "lora_name", None) or getattr(event, "lora_id", None):
+                salt = None  # kvstack serves no adapters; never key an adapter's blocks as the base model's
+            self.stored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size,
+                        first_salt=salt)
         elif name == "BlockRemoved":
             if getattr(event, "group_idx", None) not in (None, 0):
                 return

@@ -26,7 +26,7 @@ from kvpool.store import StoreConfig
 def block_slot_bytes(engine: EngineSettings) -> int:
     if engine.kv_bytes_per_token is not None:
         return engine.kv_bytes_per_token * engine.block_size
-    return pool_slot_bytes_from_model(engine.model_path, engine.block_size)
+    return pool_slot_bytes_from_model(engine.model_path, engine.block_size, *engine.kv_dtypes())
 
 
 def shard_config(engines: Sequence[EngineSettings], pool: PoolSettings, node: PoolNode) -> ShardConfig:

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from deployments.app_config import PoolSettings
-from deployments.cpu_placement import claim_cores, engine_arguments, engine_environment
+from deployments.cpu_placement import claim_cores, engine_binding
 from deployments.engine_probe import probe_engine
 from deployments.engine_settings import EngineSettings
 from deployments.engine_worker import BINDING_METHOD, WORKER_EXTENSION
@@ -59,6 +59,7 @@ from router.hub import (
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
 from deployments.split_staging import SplitStats, stage_split
 from kvpool.connector.timing import from_params
+from kvpool.keys import BlockKey, rank_interleaved
 from router.wire import (
     ControlRequest,
     GenerateChunk,
@@ -216,7 +217,7 @@ class VLLMReplica:
         placement_args = self._apply_placement()
         capacity_blocks = max(1, self.settings.hbm_capacity_blocks())
         self.ledger = HbmPrefixLedger(capacity_blocks)
-        self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt)
+        self._fingerprint = ""  # the layout the engine registered (the pool's namespace; "" with the pool off)
         self._events: KvEventSubscriber | None = None
         events_port = None
         if self.settings.kv_events:
@@ -235,12 +236,8 @@ class VLLMReplica:
             build_engine_args(self.settings, events_port, kv_transfer, extra=placement_args))
         self.startup_s = time.monotonic() - started
         await self._record_engine_workers()
-        self._fingerprint = ""
         if self.pool is not None:
-            fingerprint = self._fingerprint = await self._registered_layout_fingerprint()
-            self.key_root = routing_root(self.settings.served_model_name, self.settings.cache_salt, fingerprint)
-            if self._events is not None:
-                self._events.translator.root = self.key_root
+            self._fingerprint = await self._registered_layout_fingerprint()
         # the device and timed cold prefills: the routers price this replica with what its engine measured
         self.profile = await probe_engine(self.engine, self.settings.max_model_len, self.settings.startup_probe)
         self.running = 0
@@ -279,8 +276,9 @@ class VLLMReplica:
         from vllm.platforms import current_platform
 
         gpu = not current_platform.is_cpu()
-        os.environ.update(engine_environment(self.cpu_claim.placement, gpu=gpu))
-        return engine_arguments(self.cpu_claim.placement, gpu=gpu)
+        env, args = engine_binding(self.cpu_claim.placement, gpu=gpu, ranks=self.settings.parallel_size())
+        os.environ.update(env)
+        return args
 
     def _connector_transfer_config(self) -> Any:
         """Start (or find) this node's shard and list every shard: the connector's configuration."""
@@ -301,6 +299,10 @@ class VLLMReplica:
             backend=self.pool.transfer_backend, shared_memory=self.pool.shared_memory,
         )
         return kv_transfer_config(cfg)
+
+    def key_root(self, cache_salt: str) -> BlockKey:
+        """The namespace root of a request salted ``cache_salt`` (``GenerateRequest.cache_salt``): the router's."""
+        return routing_root(self.settings.served_model_name, cache_salt, self._fingerprint)
 
     async def _registered_layout_fingerprint(self) -> str:
         """The fingerprint of the KV layout the engine's workers registered (the connector's handshake): the
@@ -328,11 +330,13 @@ class VLLMReplica:
         self.waiting_tokens += work[0]
         self.waiting_tokens_sq += work[1]
         try:
+            from vllm.inputs import tokens_input
+
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
             params = engine_sampling_params(request.sampling_params, kv_shard_hint=hint,
                                             load_nothing=request.pool_planned and request.action in NO_POOL_LOAD)
-            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
             async for out in self.engine.generate(prompt, params, request.request_id, priority=request.priority,
                                                   reasoning_ended=request.reasoning_ended,
                                                   reasoning_parser_kwargs=request.reasoning_parser_kwargs):
@@ -394,7 +398,8 @@ class VLLMReplica:
         if self.pool is None or self._local_shard is None or n <= 0:
             return
         try:
-            self._local_shard.async_client().touch_nowait(request.block_keys[:n], self._fingerprint)
+            keys = rank_interleaved(request.block_keys[:n], self.settings.tensor_parallel_size())
+            self._local_shard.async_client().touch_nowait(keys, self._fingerprint)
             self.pool_touches += 1
         except Exception as exc:  # noqa: BLE001 - eviction order only
             log.debug("replica %s: pool touch failed: %s", self.replica_id, exc)
@@ -415,14 +420,16 @@ class VLLMReplica:
         if not keys:
             from kvpool.keys import chain_keys
 
-            keys = [bytes(k) for k in chain_keys(self.key_root, request.prompt_token_ids, self.settings.block_size)]
+            keys = [bytes(k) for k in chain_keys(self.key_root(request.cache_salt), request.prompt_token_ids,
+                                                 self.settings.block_size)]
         outcome = await stage_split(
             self.engine, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             pool_keys=keys,
             plan=plan, block_size=self.settings.block_size, node_id=self.node_id,
             local_shard=local.async_client() if local is not None else None,
             local_shard_id=local.shard_id if local is not None else "", fingerprint=self._fingerprint,
-            deadline_s=SPLIT_STAGING_DEADLINE_S,
+            deadline_s=SPLIT_STAGING_DEADLINE_S, cache_salt=request.cache_salt,
+            tensor_parallel=self.settings.tensor_parallel_size(),
         )
         if outcome.pulled and outcome.pull_s > 0:  # a pool fetch like any other, for the routers' tier fits
             self._pending_samples.append(TransferSample(plan.shard_id, plan.tier == "ssd", outcome.pull_bytes,
@@ -500,7 +507,7 @@ class VLLMReplica:
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
                 waiting=self.waiting, waiting_tokens=self.waiting_tokens, waiting_tokens_sq=self.waiting_tokens_sq,
-                key_root=bytes(self.key_root), stored=snapshot if first else stored,
+                layout_fingerprint=self._fingerprint, stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
                 placement=self.cpu_claim.placement, profile=self.profile,
             )

@@ -6,8 +6,11 @@ Serve unique id travels in ``GenerateRequest.target_replica``. This router offer
 waits (with its backoff) until it accepts — a slow queue-length probe on a busy box, or a full replica, never sends
 the request elsewhere (measured: with the other replicas offered as a second rank, 1 of 16 concurrent requests
 landed on a replica it was not decided for at load average ~25). Only when the chosen replica is gone from Serve's
-candidates (it died) does the request go to the least-loaded one. ``ControlRequest``s (operator calls to one replica) are targeted the same way;
-anything without a target goes least-loaded.
+candidates (it died) does the request go to the least-loaded one. ``ControlRequest``s (operator calls to one
+replica) are targeted the same way but never go elsewhere: while their target is not among Serve's candidates (a
+replacement that already reported to the routers before this handle's replica set caught up) Serve backs off and
+asks again, until the target appears or the caller's deadline cancels the call. Anything without a target goes
+least-loaded.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from router.wire import ControlRequest, GenerateRequest
 
 
-def _target_of(pending: PendingRequest | None) -> str | None:
+def _request_of(pending: PendingRequest | None) -> GenerateRequest | ControlRequest | None:
     if pending is None:
         return None
     for arg in list(pending.args) + list(pending.kwargs.values()):
         if isinstance(arg, (GenerateRequest, ControlRequest)):
-            return arg.target_replica
+            return arg
     return None
 
 
@@ -46,9 +49,12 @@ class DecisionRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        target = _target_of(pending_request)
+        request = _request_of(pending_request)
+        target = request.target_replica if request is not None else None
         if target is not None:
             chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if chosen:
                 return [chosen]
+            if isinstance(request, ControlRequest):
+                return []  # Serve backs off and asks again; the caller's deadline bounds the wait
         return [sorted(candidate_replicas, key=lambda r: (_load(r), random.random()))]

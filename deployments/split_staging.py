@@ -65,14 +65,20 @@ async def stage_split(
     local_shard_id: str,
     fingerprint: str,
     deadline_s: float,
+    cache_salt: str = "",
+    tensor_parallel: int = 1,
 ) -> SplitOutcome:
     """Run step 1 (module docstring) and return the shard the request should load the tail from.
 
     ``local_shard``: an ``AsyncShardClient`` of this node's shard (None: no pull, the tail loads from the plan's
-    shard); ``pool_keys``: the prompt's block keys in the pool's namespace."""
+    shard); ``pool_keys``: the prompt's block keys in the pool's namespace (rank 0's: every rank's are pulled for a
+    ``tensor_parallel`` engine, ``kvpool.keys.rank_interleaved``); ``cache_salt``: the request's (the head is cached
+    under it, or the request would not find it)."""
     from vllm import SamplingParams
+    from vllm.inputs import tokens_input
 
     from kvpool.connector.scheduler import NO_LOAD_PARAM
+    from kvpool.keys import rank_interleaved
 
     start, end = plan.start_block, plan.end_block
     head_tokens = start * block_size
@@ -85,18 +91,19 @@ async def stage_split(
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0.0,
                                 extra_args={"kv_transfer_params": {NO_LOAD_PARAM: True}})
-        async for _ in engine.generate({"prompt_token_ids": prompt_token_ids[:head_tokens]}, params, head_id):
+        head_prompt = tokens_input(prompt_token_ids[:head_tokens], cache_salt=cache_salt or None)
+        async for _ in engine.generate(head_prompt, params, head_id):
             pass
         outcome.head_s = time.monotonic() - t0
 
     async def pull() -> None:
         t0 = time.monotonic()
-        reply = await local_shard.pull(plan.shard_id, pool_keys[start:end], fingerprint,
-                                       deadline_s=min(deadline_s, PULL_DEADLINE_S))
+        keys = rank_interleaved(pool_keys[start:end], tensor_parallel)
+        reply = await local_shard.pull(plan.shard_id, keys, fingerprint, deadline_s=min(deadline_s, PULL_DEADLINE_S))
         outcome.pull_s = time.monotonic() - t0
         outcome.pulled = reply.pulled
         outcome.pull_bytes = reply.bytes_moved
-        if reply.present + reply.pulled == end - start:
+        if reply.present + reply.pulled == len(keys):
             outcome.hint_shard = local_shard_id
         elif reply.error:
             outcome.error = f"pull: {reply.error}"

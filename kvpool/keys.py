@@ -1,13 +1,24 @@
 """Block keys: chained 128-bit digests over token ids, rooted in a namespace.
 
     key_{-1} = H("kvstack.ns.v1" ‖ model id ‖ layout fingerprint ‖ cache salt)
+    cache salt = request_salt(engine's configured salt, tenant, the request's own cache_salt)
     key_i    = H(key_{i-1} ‖ uint32-LE token ids of block i)
 
 A key therefore names a block *at its position after exactly these preceding tokens*: KV is position-bound,
 and two prompts share key_i only if they share every token up to the end of block i. Only full blocks get keys.
 Used verbatim by the router (ingress computes keys once per request) and by the vLLM connector; never hash text.
+The cache salt is composed once per request, at the ingress (``request_salt``), and travels with the request: the
+router's keys, the engine's HBM prefix cache (vLLM's ``cache_salt``), the replica's HBM reports, the connector and
+the pool all key that request's blocks under the same salt, so one tenant's prefix is never another's hit.
 H is BLAKE2b with a 16-byte digest (unkeyed, RFC 7693): a cryptographic hash, because prompts come from the network
 and a crafted collision would hand one tenant's KV blocks to another prompt.
+
+Tensor parallelism: each of an engine's TP ranks holds other heads of the same block, so each rank stores its part
+under its own key, ``rank_key(key_i, r, W)`` = key_i for rank 0 (the key the router computes and indexes) and
+H("kvstack.rank.v1" ‖ key_i ‖ r ‖ W) for the others; W is also in the layout fingerprint (``model_digest``), so a
+TP engine's rank-0 keys never name a single-rank engine's blocks. ``rank_interleaved`` lays an engine's keys out
+block-major, rank-minor (block i of ranks 0..W-1, then block i+1): the pool's longest-prefix calls (lookup,
+lease, pull) over that list count only blocks every rank holds (prefix // W).
 
 Two implementations give identical bytes: a loop of ``hashlib.blake2b`` calls, and ``kvpool.blake2b_chain``, one
 numba call for the whole chain (~3-4x faster on long prompts: the loop's ~0.7 µs per block of interpreter overhead
@@ -68,6 +79,25 @@ class Namespace:
             h.update(len(data).to_bytes(4, "little"))
             h.update(data)
         return BlockKey(h.digest())
+
+
+_SALT_TAG = b"kvstack.salt.v1"
+SALT_PREFIX = "kvs1-"
+
+
+def request_salt(engine_salt: str = "", tenant: str = "", client_salt: str | None = None) -> str:
+    """The one cache salt of a request: the engine's configured salt alone when the request has no tenant and no
+    salt of its own (so untenanted keys do not change), else a digest of all three, length-prefixed (a tenant named
+    ``a`` with salt ``bc`` is not tenant ``ab`` with salt ``c``). The digest form is 37 characters of ``[0-9a-z-]``,
+    which vLLM accepts as a ``cache_salt`` and which names no tenant in the engine's logs."""
+    if not tenant and not client_salt:
+        return engine_salt
+    h = hashlib.blake2b(_SALT_TAG, digest_size=KEY_BYTES)
+    for part in (engine_salt, tenant, client_salt or ""):
+        data = part.encode()
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return SALT_PREFIX + h.hexdigest()
 
 
 def _token_ids(token_ids: Sequence[int] | np.ndarray) -> array.array[int] | np.ndarray:
@@ -185,6 +215,31 @@ def chain_keys(
 def block_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[BlockKey]:
     """Keys of every full block of a prompt under ``namespace``."""
     return chain_keys(namespace.root(), token_ids, block_size)
+
+
+_RANK_TAG = b"kvstack.rank.v1"
+
+
+def rank_key(key: bytes, rank: int, world: int) -> BlockKey:
+    """The key rank ``rank`` of a ``world``-rank tensor-parallel engine stores block ``key`` under (module
+    docstring): the key itself for rank 0 and for single-rank engines."""
+    if not 0 <= rank < max(world, 1):
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    if rank == 0:
+        return BlockKey(bytes(key))
+    h = hashlib.blake2b(_RANK_TAG, digest_size=KEY_BYTES)
+    h.update(bytes(key))
+    h.update(rank.to_bytes(4, "little"))
+    h.update(world.to_bytes(4, "little"))
+    return BlockKey(h.digest())
+
+
+def rank_interleaved(keys: Sequence[bytes], world: int) -> list[BlockKey]:
+    """Every rank's key of every block, block-major (``[k0 r0, k0 r1, …, k1 r0, …]``); ``keys`` unchanged (as
+    ``BlockKey``s) for a single-rank engine."""
+    if world <= 1:
+        return [BlockKey(bytes(k)) for k in keys]
+    return [rank_key(k, r, world) for k in keys for r in range(world)]
 
 
 def key_hex(key: BlockKey) -> str:

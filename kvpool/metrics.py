@@ -77,7 +77,8 @@ def _families(registry: CollectorRegistry) -> _Families:
         reservations_expired=Counter(
             PREFIX + "reservations_expired", "Reservations ended by expiry", ["shard"], registry=registry
         ),
-        refused=Counter(PREFIX + "unauthenticated", "Write-path calls refused: no proof of the cluster secret",
+        refused=Counter(PREFIX + "unauthenticated", "Calls refused: no proof of the cluster secret; op tcp_read / "
+                        "tcp_write: a TCP transfer of spans no lease or reservation granted the peer",
                         ["shard", "op"], registry=registry),
     )
     _BY_REGISTRY[registry] = fams

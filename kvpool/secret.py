@@ -6,7 +6,7 @@ inherit it; on KubeRay it comes from a Kubernetes Secret on the pods). It is nev
 a Serve runtime env or an actor argument. Who uses it: the TCP transport's handshake (``kvpool.transfer.tcp``:
 both sides prove it with HMAC-SHA256 over fresh nonces before any request is read, so nothing is allocated or said
 to a stranger), and every call to a shard (``kvpool.shard``: each carries ``call_proof(secret, op)``, a
-commit ``call_proof(secret, "commit", reservation id)``; a shard refuses a call without it, so a Ray caller
+commit ``call_proof(secret, "commit", reservation id, shard epoch)``; a shard refuses a call without it, so a Ray caller
 that does not know the secret learns nothing of the shard — not its transfer metadata, not which blocks it holds —
 can take no slot or lease and make no block visible). With no secret set, the handshake runs with an empty key: it keeps peers of one build in step but
 authenticates nothing (``configured`` says which; the start-up log says so).
@@ -57,7 +57,9 @@ def verify(secret: bytes, got: bytes, label: bytes, *parts: bytes) -> bool:
     return hmac.compare_digest(got, proof(secret, label, *parts))
 
 
-def call_proof(secret: bytes, op: str, reservation_id: int = 0) -> bytes:
-    """The proof a call ``op`` to a pool shard carries (a ``commit``: bound to its reservation). Not bound to the
-    shard: callers name a shard by what found it (a configured id, a node id), the shard itself by its own id."""
-    return proof(secret, b"kvstack-shard-" + op.encode(), str(reservation_id).encode())
+def call_proof(secret: bytes, op: str, reservation_id: int = 0, epoch: str = "") -> bytes:
+    """The proof a call ``op`` to a pool shard carries. A ``commit``'s is bound to its reservation and to the shard
+    incarnation (``epoch``) that granted it: reservation ids restart with every incarnation, so a commit proof seen
+    once never commits into a later incarnation's reservation of the same id. Not bound to the shard's id:
+    callers name a shard by what found it (a configured id, a node id), the shard itself by its own id."""
+    return proof(secret, b"kvstack-shard-" + op.encode(), str(reservation_id).encode(), epoch.encode())

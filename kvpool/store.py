@@ -25,6 +25,10 @@ Life of a block:
 5. DRAM full (a reserve or a promotion needs slots) → the DRAM policy's unpinned victims are demoted to SSD
    (``TIER_CHANGED``); SSD full → the SSD policy's victims are evicted (``REMOVED``). Without an SSD tier, DRAM
    victims are evicted.
+6. Grants: every lease and reservation carries a ``grant``, 16 random bytes handed only to its caller. A transport
+   that checks them (the shard's TCP server) serves a span of the arena only when ``granted(grants, spans, write)``
+   says a grant the peer presented covers it: a lease's slots for reading, a reservation's for reading and writing.
+   A grant dies with its lease or reservation (release, commit, abort, expiry).
 
 Every block is ``slot_bytes`` long (one shard serves one block size, the layout's offloaded bytes per block) and
 its checksum covers all of it (``kvpool.checksum.block_checksum``). Writes racing a reservation's expiry are the
@@ -47,9 +51,11 @@ transit (a checksum failure) leaves the index at once; its move's finish frees i
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -100,7 +106,7 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Reservation(msgspec.Struct, frozen=True):
     """DRAM slots to write into: arena ``offsets[i]`` holds ``slot_bytes`` bytes of block i. May hold fewer slots
-    than asked for (DRAM full of pinned blocks)."""
+    than asked for (DRAM full of pinned blocks). ``grant``: presented with the transfer into them (module doc, 6)."""
 
     reservation_id: int
     slots: list[int]
@@ -108,6 +114,7 @@ class Reservation(msgspec.Struct, frozen=True):
     slot_bytes: int
     expires_at: float  # on the shard's clock
     ttl_s: float
+    grant: bytes = b""
 
 
 class CommitResult(msgspec.Struct, frozen=True):
@@ -136,12 +143,14 @@ class LeasedBlock(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Lease(msgspec.Struct, frozen=True):
-    """Pinned blocks for keys[0:len(blocks)]; ``lease_id`` 0 = nothing leased (nothing to release)."""
+    """Pinned blocks for keys[0:len(blocks)]; ``lease_id`` 0 = nothing leased (nothing to release). ``grant``:
+    presented with the reads of its blocks (module doc, 6)."""
 
     lease_id: int
     blocks: list[LeasedBlock]
     expires_at: float  # on the shard's clock
     ttl_s: float
+    grant: bytes = b""
 
 
 class TierStats(msgspec.Struct, frozen=True):
@@ -207,13 +216,17 @@ class _Entry:
 class _Reserved:
     slots: list[int]
     expires_at: float
+    grant: bytes
 
 
 @dataclass(slots=True)
 class _Leased:
     keys: list[bytes]
     expires_at: float
+    grant: bytes
 
+
+GRANT_BYTES = 16  # a lease's or reservation's grant (module doc, 6): unguessable, handed only to its caller
 
 COUNTER_NAMES = (
     "committed",
@@ -262,6 +275,7 @@ class BlockStore:
         self._layout_model: dict[str, str] = {}  # fingerprint -> the model label its writers gave
         self._reservations: dict[int, _Reserved] = {}
         self._leases: dict[int, _Leased] = {}
+        self._grants: dict[bytes, int] = {}  # grant -> its lease or reservation id (one id counter serves both)
         self._ids = itertools.count(1)
         self._log = EventLog(shard_id, self.epoch, config.event_log_capacity)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
@@ -280,11 +294,42 @@ class BlockStore:
             slots = self._alloc_dram(n)
             rid = next(self._ids)
             expires = now + self.config.reservation_ttl_s
+            grant = b""
             if slots:
-                self._reservations[rid] = _Reserved(slots, expires)
+                grant = self._new_grant(rid)
+                self._reservations[rid] = _Reserved(slots, expires, grant)
             self._publish_gauges()
         offsets = [self.arena.offset(s) for s in slots]
-        return Reservation(rid, slots, offsets, self.config.slot_bytes, expires, self.config.reservation_ttl_s)
+        return Reservation(rid, slots, offsets, self.config.slot_bytes, expires, self.config.reservation_ttl_s, grant)
+
+    def _new_grant(self, owner_id: int) -> bytes:
+        grant = secrets.token_bytes(GRANT_BYTES)
+        self._grants[grant] = owner_id
+        return grant
+
+    def granted(self, grants: Sequence[bytes], spans: Sequence[tuple[int, int]], write: bool) -> bool:
+        """Whether every arena span ``(offset, length)`` lies inside one slot that one of ``grants`` covers: a live
+        reservation's slots (read or write), a live lease's blocks (read only). No side effects."""
+        slot_bytes = self.config.slot_bytes
+        with self._lock:
+            allowed: set[int] = set()
+            for grant in grants:
+                owner = self._grants.get(bytes(grant))
+                res = self._reservations.get(owner) if owner is not None else None
+                if res is not None and hmac.compare_digest(res.grant, grant):
+                    allowed.update(res.slots)
+                    continue
+                lease = self._leases.get(owner) if owner is not None and not write else None
+                if lease is not None and hmac.compare_digest(lease.grant, grant):
+                    for key in lease.keys:  # pinned: never moved while the lease lives
+                        e = self._entries.get(key)
+                        if e is not None and e.tier is Tier.DRAM:
+                            allowed.add(e.slot)
+            for offset, length in spans:
+                slot, within = divmod(offset, slot_bytes)
+                if length <= 0 or within + length > slot_bytes or slot not in allowed:  # arena slot i: i·slot_bytes
+                    return False
+        return True
 
     def commit(
         self,
@@ -328,6 +373,7 @@ class BlockStore:
             self._reservations[reservation_id] = res
             raise ValueError(f"commit: {len(keys)} keys (slot indices {order}) for a reservation of {len(res.slots)} "
                              "slots")
+        self._grants.pop(res.grant, None)
         committed: list[int] = []
         rejected: list[int] = []
         duplicate: list[int] = []
@@ -367,6 +413,7 @@ class BlockStore:
             res = self._reservations.pop(reservation_id, None)
             if res is None:
                 return False
+            self._grants.pop(res.grant, None)
             self.arena.free(res.slots)
             self._count("aborts")
             self._publish_gauges()
@@ -442,11 +489,13 @@ class BlockStore:
             self._count("misses", missed)
             self.metrics.miss(missed)
             lease_id = 0
+            grant = b""
             if pinned:
                 lease_id = next(self._ids)
-                self._leases[lease_id] = _Leased(pinned, now + ttl_s)
+                grant = self._new_grant(lease_id)
+                self._leases[lease_id] = _Leased(pinned, now + ttl_s, grant)
             self._publish_gauges()
-        return Lease(lease_id, blocks, now + ttl_s, ttl_s)
+        return Lease(lease_id, blocks, now + ttl_s, ttl_s, grant)
 
     def _lease_prefix(self, prefix: list[_Entry]) -> list[LeasedBlock]:
         """The leased blocks of a pinned, servable prefix: its SSD blocks promoted, its DRAM blocks verified (both
@@ -498,6 +547,7 @@ class BlockStore:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
+            self._grants.pop(lease.grant, None)
             self._unpin(lease.keys)
             self._publish_gauges()
             return True
@@ -547,10 +597,14 @@ class BlockStore:
     def _sweep(self, now: float) -> tuple[int, int]:
         dead_leases = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
         for lid in dead_leases:
-            self._unpin(self._leases.pop(lid).keys)
+            lease = self._leases.pop(lid)
+            self._grants.pop(lease.grant, None)
+            self._unpin(lease.keys)
         dead_res = [rid for rid, res in self._reservations.items() if res.expires_at <= now]
         for rid in dead_res:
-            self.arena.free(self._reservations.pop(rid).slots)
+            res = self._reservations.pop(rid)
+            self._grants.pop(res.grant, None)
+            self.arena.free(res.slots)
         if dead_leases or dead_res:
             self._count("leases_expired", len(dead_leases))
             self._count("reservations_expired", len(dead_res))

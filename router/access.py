@@ -15,7 +15,9 @@ the ingress at start):
   admin key).
 - **Backpressure.** ``app.ingress.max_queued_requests``: the most generation requests (chat, completions) one
   router holds unfinished at once, streaming ones until their stream ends; beyond it a 429 OpenAI error with
-  ``Retry-After``, never an unbounded queue and never a 500.
+  ``Retry-After``, never an unbounded queue and never a 500. ``app.ingress.tenant_tokens_per_minute``: with API
+  keys, each tenant's prompt + generated tokens a minute (``router.tenant_budget``, charged by the engine client as
+  requests end); a tenant past it gets a 429 (``rate_limit_exceeded``) with ``Retry-After``.
 
 Keys are compared in constant time (``hmac.compare_digest``) and never logged. Mechanism only: which paths need
 what is ``path_class``; the settings come from ``AccessSettings`` (``app.ingress``) and the process environment.
@@ -35,6 +37,7 @@ import yaml
 from pydantic import Field
 
 from configs.schema import Strict
+from router.tenant_budget import TenantBudget
 
 log = logging.getLogger("kvstack.access")
 
@@ -54,6 +57,9 @@ class AccessSettings(Strict):
     metrics_need_key: bool = Field(default=False, description="/metrics needs an API key or the admin key")
     max_queued_requests: int | None = Field(default=None, gt=0, description="the most unfinished generation "
                                             "requests one router holds; beyond it 429 with Retry-After")
+    tenant_tokens_per_minute: int | None = Field(default=None, gt=0, description="per tenant (API keys only), per "
+                                                 "router: prompt + generated tokens a minute; beyond it 429 with "
+                                                 "Retry-After")
 
 
 class AccessConfigError(ValueError):
@@ -115,13 +121,15 @@ class AccessGate:
     admin_key: str | None = None
     metrics_need_key: bool = False
     max_queued_requests: int | None = None
+    budget: TenantBudget | None = None  # the per-tenant rate limit (``router.tenant_budget``), if configured
     in_flight: int = 0
     rejected_busy: int = 0
 
     @classmethod
     def from_settings(cls, settings: AccessSettings, env: Mapping[str, str] | None = None) -> AccessGate:
         keys, admin = load_keys(settings, env)
-        gate = cls(keys, admin, settings.metrics_need_key, settings.max_queued_requests)
+        budget = TenantBudget(settings.tenant_tokens_per_minute) if settings.tenant_tokens_per_minute else None
+        gate = cls(keys, admin, settings.metrics_need_key, settings.max_queued_requests, budget)
         if keys:
             log.info("kvstack ingress: %d API key(s) of %d tenant(s); /kvstack/* %s", len(keys),
                      len(set(keys.values())), "needs the admin key" if admin else "closed (no admin key set)")
@@ -184,6 +192,13 @@ class AccessGate:
                                "permission_error", code="invalid_api_key" if status == 401 else "forbidden")
             return JSONResponse(err.body(), status_code=status,
                                 headers={"WWW-Authenticate": "Bearer"} if status == 401 else None), None
+        if tenant is not None and self.budget is not None and path in GENERATION_PATHS:
+            wait = self.budget.retry_after(tenant)
+            if wait is not None:
+                err = fmt.ApiError(429, f"tenant {tenant!r} used its tokens per minute "
+                                        f"(app.ingress.tenant_tokens_per_minute): retry after {wait} s",
+                                   type_="rate_limit_error", code="rate_limit_exceeded")
+                return JSONResponse(err.body(), status_code=429, headers={"Retry-After": str(wait)}), None
         if self.counts(path) and self.in_flight >= self.max_queued_requests:  # type: ignore[operator]
             self.rejected_busy += 1
             err = fmt.ApiError(429, f"this router holds {self.in_flight} unfinished requests "
@@ -191,6 +206,11 @@ class AccessGate:
                                type_="rate_limit_error", code="too_many_requests")
             return JSONResponse(err.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)}), None
         return None, tenant
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """A finished generation request of ``tenant`` used ``tokens`` (prompt + generated): its rate limit."""
+        if self.budget is not None and tenant:
+            self.budget.charge(tenant, tokens)
 
     def counts(self, path: str) -> bool:
         """Whether a request on ``path`` takes an in-flight slot."""

@@ -85,6 +85,7 @@ class DecisionRecord(msgspec.Struct, kw_only=True):
     regret_s: float | None = None
     timeline: RequestTimeline | None = None
     actual_cached_tokens: int | None = None  # prompt tokens the engine reused (HBM or pool): the plan's check
+    tenant: str = ""  # the API key's tenant ("" without keys): decision lists can be read per tenant
 
     @property
     def predicted_by_action(self) -> dict[str, float]:
@@ -150,14 +151,15 @@ class AuditLog:
             record.with_actual(actual_ttft_s)
         return record
 
-    def recent(self, n: int | None = None) -> list[DecisionRecord]:
-        """The newest ``n`` records (all if ``None``), oldest first."""
-        if n is None or n >= len(self._records):
-            records = list(self._records)
+    def recent(self, n: int | None = None, tenant: str | None = None) -> list[DecisionRecord]:
+        """The newest ``n`` records (all if ``None``; only ``tenant``'s when given), oldest first."""
+        pool = list(self._records) if tenant is None else [r for r in self._records if r.tenant == tenant]
+        if n is None or n >= len(pool):
+            records = pool
         elif n <= 0:
             return []
         else:
-            records = list(self._records)[-n:]
+            records = pool[-n:]
         if self._unexplained:
             for r in records:
                 self._explained(r)

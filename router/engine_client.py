@@ -8,7 +8,8 @@ Who calls what: ``router.vllm_frontend`` builds vLLM's ``OpenAIServingChat`` / `
 1. runs vLLM's own admission checks of an engine request (``InputProcessor.process_inputs``: parameters against
    the model config, the structured-output grammar, prompt length, token ids), so a request the engine would
    refuse is a 400 from the serving layer, never an error in a started stream;
-2. decides (``router.live_view.LiveView.decide``: block keys, HOLDER / FETCH / RECOMPUTE / SPLIT, a replica) and
+2. decides (``router.live_view.LiveView.decide``: block keys under the request's cache salt — the engine's, the
+   tenant's and the client's ``cache_salt`` — HOLDER / FETCH / RECOMPUTE / SPLIT, a replica) and
    appends the decision to the HTTP request's ``RouteTrace`` (a context variable the ingress sets), which becomes
    the ``x-kvstack-*`` headers;
 3. returns an async iterator of ``vllm.outputs.RequestOutput`` that sends ``router.wire.GenerateRequest`` to the
@@ -16,10 +17,11 @@ Who calls what: ``router.vllm_frontend`` builds vLLM's ``OpenAIServingChat`` / `
    for a streaming request (``RequestOutputKind.DELTA``), merged into one final output otherwise
    (``FINAL_ONLY``: the replica still streams, so the first token's arrival is timed either way).
 The first chunk's arrival is the request's TTFT (``LiveView.record_first_token``: regret, calibration), the last
-chunk's pool timing joins the decision's timeline. Each replica call carries a Serve request id of its own
-(``_own_serve_request_id``), so the prompts of one batched request never wait on each other's routing. Closing
-the iterator early (client gone, ``abort``) cancels the replica's call, which aborts the engine request there and
-releases its KV blocks and pool leases.
+chunk's pool timing joins the decision's timeline; a keyed tenant's tokens (prompt + generated) are charged to its
+rate limit when the request ends (``router.access.AccessGate.charge``). Each replica call carries a Serve request
+id of its own (``_own_serve_request_id``), so the prompts of one batched request never wait on each other's
+routing. Closing the iterator early (client gone, ``abort``) cancels the replica's call, which aborts the engine
+request there and releases its KV blocks and pool leases.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.sampling_params import RequestOutputKind
 
+from router import access
 from router.wire import GenerateChunk, GenerateRequest, TokenLogprob, encode_sampling_params
 
 SUPPORTED_TASKS = ("generate",)
@@ -50,6 +53,7 @@ class RouteTrace:
     """What was decided for one HTTP request (one decision per prompt) and where each prompt ran."""
 
     arrived: float = field(default_factory=time.monotonic)
+    tenant: str = ""  # the API key's tenant (``router.access``); "" when the endpoint has no keys
     decisions: list[Any] = field(default_factory=list)  # router.live_view.Routed, in prompt order
     ran_on: dict[str, str] = field(default_factory=dict)  # request id -> replica that produced its first chunk
 
@@ -144,8 +148,11 @@ class RoutedEngineClient(EngineClient):
         token_ids = list(extract_prompt_components(self.model_config, prompt).token_ids)
         if request_id in self._calls:  # a client-chosen id (request_id, X-Request-Id) already in flight
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        routed, keys = self.view.decide(request_id, token_ids)
         trace = ROUTE_TRACE.get()
+        # keyed under the request's one cache salt (the engine's, the tenant's, the client's own ``cache_salt``),
+        # which its engine's HBM prefix cache and the pool then use too
+        routed, keys = self.view.decide(request_id, token_ids, trace.tenant if trace is not None else "",
+                                        prompt.get("cache_salt"))
         if trace is not None:
             trace.decisions.append(routed)
         request = GenerateRequest(
@@ -154,6 +161,7 @@ class RoutedEngineClient(EngineClient):
             reasoning_ended=reasoning_ended, reasoning_parser_kwargs=reasoning_parser_kwargs,
             target_replica=routed.target_replica, action=routed.action, fetch_plan=routed.fetch_plan,
             planned_reuse_tokens=routed.planned_reuse_tokens, pool_planned=routed.pool_planned,
+            cache_salt=routed.cache_salt,
         )
         text = prompt_text if prompt_text is not None else prompt.get("prompt")
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
@@ -199,6 +207,10 @@ class RoutedEngineClient(EngineClient):
                 call.cancel()  # the client went away (or an error): the replica aborts the engine request
             tpot = (time.monotonic() - first_at) / (tokens - 1) if first_at is not None and tokens > 1 else None
             self.view.request_done(routed, tpot)
+            if trace is not None and trace.tenant and first_at is not None:  # its tenant's rate limit, if any
+                gate = access.installed()
+                if gate is not None:
+                    gate.charge(trace.tenant, len(request.prompt_token_ids) + tokens)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

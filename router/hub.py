@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-HUB_WIRE_VERSION = 1
+HUB_WIRE_VERSION = 2  # 2: a replica reports its layout fingerprint, not one key root (roots are per salt)
 # How a replica's engine threads claim cores (``deployments.cpu_placement``): cores of their own, or shared ones.
 CpuBinding = Literal["exclusive", "shared"]
 DEFAULT_HUB_NAME = "kvstack-cluster-view"
@@ -92,7 +92,9 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     # to reuse): the routers price it with the replica's fitted prefill rate (``router.replica_book``).
     waiting_tokens: int = 0
     waiting_tokens_sq: int = 0
-    key_root: bytes = b""  # namespace root of the replica's block keys (model id + registered layout + salt)
+    # the layout its engine registered (the pool connector's handshake; "" with the pool off): the layout part of
+    # the block-key namespace, which the routers adopt so that their keys, per salt, are the replica's and the pool's
+    layout_fingerprint: str = ""
     stored: list[bytes] = []
     removed: list[bytes] = []
     full: bool = False  # stored is the replica's whole HBM key set
@@ -172,9 +174,10 @@ class ClusterViewHub:
         with self._lock:
             self._decisions[router_id] = summaries
 
-    def decisions(self, limit: int = 50) -> list[dict]:
+    def decisions(self, limit: int = 50, tenant: str | None = None) -> list[dict]:
         with self._lock:
-            merged = [d for rows in self._decisions.values() for d in rows]
+            merged = [d for rows in self._decisions.values() for d in rows
+                      if tenant is None or d.get("tenant", "") == tenant]
         merged.sort(key=lambda d: d.get("decided_at", 0.0))
         return merged[-limit:]
 

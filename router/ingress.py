@@ -135,7 +135,7 @@ class OpenAIIngress:
         # imported here: Serve pickles this class, and a module-level ContextVar does not pickle
         from router.engine_client import ROUTE_TRACE, RouteTrace
 
-        trace = RouteTrace()
+        trace = RouteTrace(tenant=getattr(raw.state, "tenant", None) or "")  # the key's tenant (router.access)
         token = ROUTE_TRACE.set(trace)
         try:
             req = await self._request(raw, model_cls)
@@ -234,8 +234,9 @@ class OpenAIIngress:
         return JSONResponse(err.body(), status_code=404)
 
     @app.get("/kvstack/decisions")
-    async def decisions(self, limit: int = 50) -> Response:
-        return JSONResponse([d for r in self.models.values() for d in r.view.recent_decisions(limit)])
+    async def decisions(self, limit: int = 50, tenant: str | None = None) -> Response:
+        """This router's recent decision records (``?tenant=`` one tenant's only)."""
+        return JSONResponse([d for r in self.models.values() for d in r.view.recent_decisions(limit, tenant)])
 
     @app.post("/kvstack/admin/reset_prefix_cache")
     async def reset_prefix_cache(self) -> Response:
@@ -243,10 +244,10 @@ class OpenAIIngress:
         return JSONResponse([reply for _, reply in await self._each_replica("reset_prefix_cache")])
 
     @app.get("/kvstack/status")
-    async def status(self, decisions: int = 10) -> Response:
+    async def status(self, decisions: int = 10, tenant: str | None = None) -> Response:
         """Nodes, replicas (as this router sees them, with their calibrated MFU), pool shards, the tier prices and
         model spec this router uses (calibrated or configured), the pool keeper's last pass and recent decisions
-        (``kvstack status``)."""
+        (``?tenant=`` one tenant's only; ``kvstack status``)."""
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
@@ -268,7 +269,7 @@ class OpenAIIngress:
             "models": [{"model": name, "policy": r.settings.policy, "model_spec": r.view.hardware.model.model_dump(),
                         "tiers": r.view.calibration_rows()} for name, r in self.models.items()],
             "pool_keeper": keeper,
-            "decisions": [d for r in self.models.values() for d in await r.view.all_decisions(decisions)],
+            "decisions": [d for r in self.models.values() for d in await r.view.all_decisions(decisions, tenant)],
         })
 
     @app.post("/v1/chat/completions")

@@ -8,7 +8,8 @@ Who calls what (all inside one ``router.ingress.OpenAIIngress`` replica, on its 
   Replicas not heard from within ``replica_ttl_s`` are dropped by the index. Beside it runs
   ``router.shard_sync.ShardSync`` (the pool shards' event streams into the same index, through kvpool's typed
   ``ShardEventSource``, one loop per shard).
-- ``decide(request_id, token_ids)`` computes block keys (``kvpool.keys``) and builds a ``ClusterSnapshot``
+- ``decide(request_id, token_ids, tenant, client_salt)`` computes block keys (``kvpool.keys``) under the request's
+  one salt (``kvpool.keys.request_salt``: engine salt, tenant, client salt) and builds a ``ClusterSnapshot``
   (per-replica HBM prefix, pool hits, load, calibrated hardware) and returns the ``Routed`` decision for the wire.
 - ``record_first_token`` records the actual TTFT (regret, MFU calibration); ``request_done`` closes the assignment.
 - Tier calibration: replica reports carry the pool fetches their connectors finished (``router.hub.TransferSample``);
@@ -31,7 +32,7 @@ import msgspec
 
 from configs import load_gpus, load_tiers, pick
 from configs.loader import gpu_for_device
-from kvpool.keys import BlockKey, chain_keys
+from kvpool.keys import BlockKey, chain_keys, request_salt
 from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from kvpool.connector.timing import PoolRequestTiming
@@ -65,6 +66,7 @@ class Routed:
     request_id: str
     planned_reuse_tokens: int = 0  # the decision's reused prompt tokens (the replica's queue model counts the rest)
     pool_planned: bool = False  # the policy planned the pool loads (``RoutingPolicy.plans_pool_loads``)
+    cache_salt: str = ""  # the request's salt (``kvpool.keys.request_salt``), its block keys' namespace
 
 
 class LiveView:
@@ -91,7 +93,7 @@ class LiveView:
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
         self.book = ReplicaBook(ttl_s=settings.replica_ttl_s, calibrator=self.calibrator, hardware=lambda: self.hardware)
         self.loads = self.book.loads  # replica id -> its last report's load (the book's; read-only here)
-        self.key_root = routing_root(settings.served_model_name, settings.cache_salt)
+        self.layout_fingerprint = ""  # until a replica reports the layout its engine registered
         self._cursor = 0
         self._hub: Any = None
         self.shard_sync = ShardSync(self.index)
@@ -153,12 +155,12 @@ class LiveView:
             if report.gone:
                 self._forget(report.replica_id)
                 continue
-            if report.key_root and report.key_root != self.key_root:
+            if report.layout_fingerprint and report.layout_fingerprint != self.layout_fingerprint:
                 # The replicas key blocks under the layout their engine registered (the pool's namespace); the
                 # router must compute the same keys.
-                log.info("router %s: adopting key namespace %s from replica %s", self.router_id,
-                         report.key_root.hex()[:16], report.replica_id)
-                self.key_root = BlockKey(report.key_root)
+                log.info("router %s: adopting KV layout %s from replica %s", self.router_id,
+                         report.layout_fingerprint[:16], report.replica_id)
+                self.layout_fingerprint = report.layout_fingerprint
             self.index.apply_replica_report(report)
             self.book.report(report.replica_id, report.node_id, report.running, report.waiting, now, report.placement,
                              waiting_work=(report.waiting_tokens, report.waiting_tokens_sq))
@@ -252,21 +254,22 @@ class LiveView:
         await asyncio.wait_for(self._hub.publish_decisions.remote(self.router_id, summaries), timeout=5.0)
         self._published_decisions, self._published_at = len(self.audit), now
 
-    def decision_summaries(self, limit: int) -> list[dict[str, Any]]:
+    def decision_summaries(self, limit: int, tenant: str | None = None) -> list[dict[str, Any]]:
         return [{"request_id": d["request_id"], "action": d["action"], "replica_id": d["replica_id"],
                  "router_id": self.router_id, "decided_at": d["decided_at"], "actual_ttft_s": d.get("actual_ttft_s"),
-                 "predicted": self.predicted_by_action(d), "reason": d["reason"]}
-                for d in self.recent_decisions(limit)]
+                 "predicted": self.predicted_by_action(d), "reason": d["reason"], "tenant": d.get("tenant", "")}
+                for d in self.recent_decisions(limit, tenant)]
 
-    async def all_decisions(self, limit: int) -> list[dict[str, Any]]:
-        """Every router's recent decisions (from the hub), falling back to this router's own."""
+    async def all_decisions(self, limit: int, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Every router's recent decisions (from the hub), falling back to this router's own; only ``tenant``'s
+        when given."""
         try:
             if self._hub is not None:
                 await self._publish_decisions()
-                return await asyncio.wait_for(self._hub.decisions.remote(limit), timeout=5.0)
+                return await asyncio.wait_for(self._hub.decisions.remote(limit, tenant), timeout=5.0)
         except Exception as exc:  # noqa: BLE001
             log.warning("reading decisions from the hub failed: %s", exc)
-        return self.decision_summaries(limit)
+        return self.decision_summaries(limit, tenant)
 
     def live_replicas(self, now: float) -> dict[str, ReplicaLoad]:
         return self.book.live(now)
@@ -275,19 +278,30 @@ class LiveView:
         return len(self.live_replicas(time.monotonic()))
 
     # -- deciding --------------------------------------------------------------------------------------------
-    def decide(self, request_id: str, token_ids: list[int]) -> tuple[Routed, list[bytes]]:
-        keys = chain_keys(self.key_root, token_ids, self.settings.block_size)
+    def key_root(self, cache_salt: str) -> BlockKey:
+        """The namespace root of a request salted ``cache_salt`` (``kvpool.keys.request_salt``)."""
+        return routing_root(self.settings.served_model_name, cache_salt, self.layout_fingerprint)
+
+    def decide(self, request_id: str, token_ids: list[int], tenant: str = "", client_salt: str | None = None
+               ) -> tuple[Routed, list[bytes]]:
+        """Route one prompt of ``tenant`` (its API key's; "" without keys) that asked for ``client_salt`` (its own
+        ``cache_salt``): its blocks are keyed under the one salt of the three (``Routed.cache_salt``), so it never
+        matches another tenant's prefix, in HBM or in the pool; the decision record names the tenant."""
+        salt = request_salt(self.settings.cache_salt, tenant, client_salt)
+        keys = chain_keys(self.key_root(salt), token_ids, self.settings.block_size)
         replicas = self.book.states(time.monotonic())
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
-            return Routed(None, None, "recompute", None, request_id), list(keys)
+            return Routed(None, None, "recompute", None, request_id, cache_salt=salt), list(keys)
         request = RouteRequest(request_id, len(token_ids), self.settings.block_size, keys)
         record = self.runner.decide(request, self.index.snapshot(request, replicas))
+        record.tenant = tenant
         plan = None
         if record.fetch is not None:
             f = record.fetch
             plan = FetchPlanMsg(f.shard_id, f.node_id, f.tier, f.start_block, f.end_block)
         return (Routed(record, record.replica_id, cast(ActionName, record.action.value), plan, request_id,
-                       record.hbm_tokens + record.fetched_tokens, self.runner.policy.plans_pool_loads), list(keys))
+                       record.hbm_tokens + record.fetched_tokens, self.runner.policy.plans_pool_loads, salt),
+                list(keys))
 
     def record_first_token(self, routed: Routed, ttft_s: float, chunk: GenerateChunk, ingress_s: float = 0.0) -> None:
         """Actual TTFT: regret and prediction error (runner), the request's timeline (``ingress_s``: its time in
@@ -330,8 +344,9 @@ class LiveView:
         if tpot_s is not None:
             self.metrics.observe_tpot(self.runner.policy_name, tpot_s)
 
-    def recent_decisions(self, limit: int) -> list[dict[str, Any]]:
-        return [msgspec.to_builtins(r) for r in self.audit.recent(limit)]
+    def recent_decisions(self, limit: int, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The last ``limit`` decisions (of ``tenant`` only, when given), oldest first."""
+        return [msgspec.to_builtins(r) for r in self.audit.recent(limit, tenant)]
 
     @staticmethod
     def predicted_by_action(decision: dict[str, Any]) -> dict[str, float]:

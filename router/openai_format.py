@@ -118,7 +118,6 @@ def validate(model_cls: Any, body: dict[str, Any]) -> Any:
 # default they are a 400 naming the field (never silently ignored): why, per field.
 REFUSED_FIELDS: dict[str, str] = {
     "kv_transfer_params": "the KV cache is moved by kvstack's own pool connector, not by client parameters",
-    "cache_salt": "per-request cache salts are not folded into kvstack's routing and pool keys yet",
     "use_beam_search": "beam search is not supported by kvstack's router",
     "mm_processor_kwargs": "kvstack serves text models",
     "mm_payload": "kvstack serves text models",

@@ -25,16 +25,19 @@ from kvpool.connector.timing import PoolRequestTiming
 from kvpool.keys import BlockKey, Namespace
 from router.policies.base import ActionName, StorageTier
 
-WIRE_VERSION = 2  # 2: vLLM's SamplingParams on the wire, vLLM's logprob entries in chunks
+WIRE_VERSION = 3  # 2: vLLM's SamplingParams on the wire, vLLM's logprob entries in chunks; 3: a request's cache salt
 # Layout component of the routing namespace until the engine reports the fingerprint of the layout it registered.
 DEFAULT_LAYOUT_TAG = "kvstack-engine"
 # What an operator can ask one replica (``deployments.replica.VLLMReplica.control``).
 ControlOp = Literal["reset_prefix_cache", "info", "engine_metrics"]
 
 
-def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprint: str = DEFAULT_LAYOUT_TAG
-                 ) -> BlockKey:
-    """The namespace root of the block keys the ingress computes and the replicas report (must agree)."""
+@functools.lru_cache(maxsize=4096)
+def routing_root(served_model_name: str, cache_salt: str = "", layout_fingerprint: str = "") -> BlockKey:
+    """The namespace root of the block keys the ingress computes and the replicas report (must agree); cached, as
+    every request asks for its salt's root (one per tenant and client salt in use). ``layout_fingerprint`` "": no
+    engine registered a layout yet (the pool off), ``DEFAULT_LAYOUT_TAG`` stands in for it."""
+    layout_fingerprint = layout_fingerprint or DEFAULT_LAYOUT_TAG
     return Namespace(served_model_name, layout_fingerprint, cache_salt).root()
 
 
@@ -90,6 +93,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     fetch_plan: FetchPlanMsg | None = None
     planned_reuse_tokens: int = 0  # prompt tokens the decision expects the engine not to compute (HBM + fetched)
     pool_planned: bool = False  # the policy planned the pool loads: a holder / recompute loads nothing from the pool
+    # kvpool.keys.request_salt of the engine's salt, the tenant and the client's cache_salt: the salt block_keys
+    # were computed under; the replica gives it to vLLM (its HBM prefix cache) and so to the pool connector
+    cache_salt: str = ""
 
 
 class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):

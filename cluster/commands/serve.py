@@ -179,7 +179,8 @@ class ServeStack:
             t = p.step(f"starting a local Ray cluster: head + {cfg.cluster.workers} worker nodes")
             self.cluster = LocalCluster(workers=cfg.cluster.workers, cpus_per_worker=cfg.cluster.cpus_per_worker)
             self.cluster.start()
-            p.done("Ray cluster up: " + ", ".join(n.ip for n in self.cluster.nodes), t)
+            auth = os.environ.get("RAY_AUTH_MODE") or "none"  # LocalCluster: token unless the caller chose a mode
+            p.done(f"Ray cluster up: {', '.join(n.ip for n in self.cluster.nodes)} (Ray authentication: {auth})", t)
         else:
             import ray
 

@@ -201,3 +201,30 @@ def drain_transfer_records(worker: Any) -> list[bytes]:
     if not isinstance(connector, KvPoolConnector) or connector.worker_side is None:
         return []
     return [msgspec.msgpack.encode(r) for r in connector.take_transfer_records()]
+
+
+def _worker_side(worker: Any) -> Any:
+    """This vLLM worker's ``WorkerSide`` of the kvpool connector, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    return connector.worker_side if isinstance(connector, KvPoolConnector) else None
+
+
+def settle_worker(worker: Any, deadline_s: float) -> bool:
+    """Run in a vLLM worker through ``collective_rpc`` (tests and benches of multi-process engines): wait (bounded)
+    until the loads handed to this worker so far have run."""
+    side = _worker_side(worker)
+    return side is None or side.wait_loads(deadline_s)
+
+
+def worker_counters(worker: Any, settle_s: float) -> dict[str, Any] | None:
+    """Run in a vLLM worker through ``collective_rpc``: this worker's load and save counters (``stats_dict``) with
+    its TP rank, once its staged saves are written (at most ``settle_s``); None without the kvpool connector."""
+    side = _worker_side(worker)
+    if side is None:
+        return None
+    side.wait_saves(settle_s)
+    return {**side.stats_dict(), "tp_rank": side.tp_rank}

@@ -214,14 +214,17 @@ def _layer_index(name: str, fallback: int) -> int:
 
 
 def model_digest(hf_config_json: str, kv_cache_config: Any, cache_dtype: str, weights: str = "",
-                 quantization: str = "") -> str:
+                 quantization: str = "", tensor_parallel: int = 1) -> str:
     """Digest of everything about the model and engine settings that shapes KV bytes (goes into ``KvLayout``):
     the config, the KV-cache dtype, the cache groups, the weights' identity (``kvpool.connector.weights``: another
-    checkpoint at the same path is another namespace) and the quantization."""
+    checkpoint at the same path is another namespace), the quantization and the tensor-parallel world size (each
+    rank holds its share of the heads; a single-rank engine's digest is what it was before TP was keyed)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(hf_config_json.encode())
     h.update(cache_dtype.encode())
     h.update(f"\0weights={weights}\0quantization={quantization}\0".encode())
+    if tensor_parallel > 1:
+        h.update(f"tensor_parallel={tensor_parallel}\0".encode())
     for group in kv_cache_config.kv_cache_groups:
         h.update(repr(group.kv_cache_spec).encode())
     return h.hexdigest()

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-META_VERSION = 1
+META_VERSION = 2  # 2: LoadSpec.states and .world (tensor-parallel ranks)
 
 
 class RemoteBlock(msgspec.Struct, frozen=True, array_like=True):
@@ -49,10 +49,12 @@ class LoadBlock(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LoadSpec(msgspec.Struct, frozen=True):
-    """Everything one request's load needs. ``blocks`` are per-block slots (full attention); ``state`` the
-    boundary state slot of a hybrid (None for dense models). ``all_or_nothing``: any failure fails the whole
-    request (hybrids: vLLM cannot take block-level errors with several groups; a prefix is reusable only with
-    its state anyway)."""
+    """Everything one request's load needs. ``blocks`` are per-block slots (full attention); ``states`` the
+    boundary state slot of a hybrid (empty for dense models). Both hold one slot per tensor-parallel rank of the
+    engine (``world``), block-major: rank r of a ``world``-rank engine loads ``blocks[r::world]`` and
+    ``states[r::world]`` (``kvpool.keys.rank_interleaved``). ``all_or_nothing``: any failure fails the whole request
+    (hybrids: vLLM cannot take block-level errors with several groups; a prefix is reusable only with its state
+    anyway)."""
 
     req_id: str
     shard_id: str
@@ -60,10 +62,12 @@ class LoadSpec(msgspec.Struct, frozen=True):
     shard_epoch: str
     region_id: int
     blocks: list[LoadBlock]
-    state: LoadBlock | None
+    states: list[LoadBlock]
     all_or_nothing: bool
     lease_s: float = 0.0  # how long the scheduler's lease call took (SSD promotion happens inside it)
     ssd_blocks: int = 0  # leased blocks the shard found on SSD (promoted to DRAM for the lease)
+    grant: bytes = b""  # the lease's grant, presented with the read (``kvpool.store``, "Grants")
+    world: int = 1  # the engine's tensor-parallel ranks the slots are laid out for
     version: int = META_VERSION
 
 

@@ -247,7 +247,7 @@ class BlockSaver:
                 checksums.append(slot_checksum([self._staging[local : local + payload]], res.slot_bytes))
             t0 = time.perf_counter()
             endpoint = self._peers.endpoint_for(reply.agent_name)
-            result = endpoint.write(reply.agent_name, ops, self.deadline_s)
+            result = endpoint.write(reply.agent_name, ops, self.deadline_s, grants=[res.grant])
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.bytes_written += result.bytes_moved
             if endpoint.backend == "shm":
@@ -255,7 +255,8 @@ class BlockSaver:
             if not result.settled:  # the late write may still land in the reserved slots: end it before they are
                 self._peers.fence()  # committed (checked) or given back
                 self.stats.save_fences += 1
-            commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint, model=self.model)
+            commit = client.commit(reservation_id, job.keys[:n], checksums, job.fingerprint, model=self.model,
+                                   epoch=reply.epoch)
             reservation_id = None
             self._report(job, [job.keys[i] for i in commit.committed + commit.duplicate],
                          [job.keys[i] for i in commit.rejected])

@@ -37,6 +37,10 @@ A request vLLM asks about again after its load failed completely (no preemption 
 it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
 otherwise made the request re-load forever).
 Every pool call has a deadline (``lookup_deadline_s``, ``lease_deadline_s``); none runs on the scheduler's thread.
+Tensor-parallel engines: every rank stores its heads under its own key (``kvpool.keys.rank_key``), so lookups and
+leases ask for every rank's key of each block, block-major (``rank_interleaved``): the shard's longest held prefix
+of that list, divided by the world size, is the blocks every rank can load; one lease (one grant) pins them all
+and the ``LoadSpec`` lists every rank's slots. Saves are planned (and the save book kept) under rank 0's keys.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from kvpool.connector.pool_calls import PoolCalls
 from kvpool.connector.save_book import SaveBook
 from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.events import Tier
-from kvpool.keys import BlockKey, Namespace, chain_keys
+from kvpool.keys import BlockKey, Namespace, chain_keys, rank_interleaved
 from kvpool.layout import KvLayout
 
 log = logging.getLogger(__name__)
@@ -173,6 +177,8 @@ class SchedulerSide:
         name = vllm_config.model_config.served_model_name
         self.model_id = cfg.model_id or (name[0] if isinstance(name, list) else str(name))
         self.block_size = self.plan.block_size
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.tp_world = max(int(getattr(parallel, "tensor_parallel_size", 1) or 1), 1)
         self.fingerprint: str | None = None
         self.layout: KvLayout | None = None
         self.shards = PoolShards(cfg)
@@ -289,7 +295,7 @@ class SchedulerSide:
         keys = list(self._keys(r)[start:limit])
         self.stats.lookups += 1
         r.lookups += 1
-        r.lookup = self.calls.submit(self._lookup, hinted, keys, start, limit)
+        r.lookup = self.calls.submit(self._lookup, hinted, keys, start, limit)  # rank 0's keys (``_lookup``)
 
     def _harvest(self, r: _Req) -> None:
         """Take a finished lookup's result (on the scheduler's thread: the stats are only written here)."""
@@ -332,21 +338,25 @@ class SchedulerSide:
         return order
 
     def _lookup(self, hinted: str | None, keys: list[BlockKey], start: int, limit: int) -> _Found:
-        """One parallel lookup of ``keys`` (blocks [start, limit)) over the candidate shards: the best match."""
+        """One parallel lookup of ``keys`` (blocks [start, limit), rank 0's keys; every rank's are asked for) over the
+        candidate shards: the best match."""
         assert self.fingerprint is not None
         t0 = time.perf_counter()
         shards = self._candidates(hinted)
         local = self.shards.local_shard_id(wait=False)
-        results = self.shards.lookup_many([(s, keys) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s)
+        world = self.tp_world
+        asked = rank_interleaved(keys, world)
+        results = self.shards.lookup_many([(s, asked) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s)
         best_shard, best, failures, local_prefix = "", 0, 0, None
         for sid, res in zip(shards, results, strict=True):
             if res is None:
                 failures += 1
                 continue
+            held = res.prefix // world  # blocks every rank holds
             if sid == local:
-                local_prefix = res.prefix
-            if res.prefix > best:
-                best_shard, best = sid, res.prefix
+                local_prefix = held
+            if held > best:
+                best_shard, best = sid, held
         end = start + best
         if best and self.plan.hybrid:
             end = self._state_boundary(best_shard, keys, start, end)
@@ -358,10 +368,12 @@ class SchedulerSide:
         begin at block ``start``."""
         assert self.fingerprint is not None
         boundaries = list(range(end, start, -1))
-        res = self.shards.lookup_many([(shard_id, [state_key(keys[k - 1 - start])]) for k in boundaries],
-                                      self.fingerprint, self.cfg.lookup_deadline_s)
+        world = self.tp_world
+        res = self.shards.lookup_many(
+            [(shard_id, rank_interleaved([state_key(keys[k - 1 - start])], world)) for k in boundaries],
+            self.fingerprint, self.cfg.lookup_deadline_s)
         for k, r in zip(boundaries, res, strict=True):
-            if r is not None and r.prefix == 1:
+            if r is not None and r.prefix == world:
                 return k
         return start
 
@@ -404,9 +416,10 @@ class SchedulerSide:
                         request.request_id, num_external_tokens, match)
             self._pending_loads.append(_failed_spec(request.request_id))
             return
-        lease_keys: list[bytes] = list(keys[match.start : match.end])
+        world = self.tp_world
+        lease_keys: list[bytes] = list(rank_interleaved(keys[match.start : match.end], world))
         if self.plan.hybrid:
-            lease_keys.append(state_key(keys[match.end - 1]))
+            lease_keys += rank_interleaved([state_key(keys[match.end - 1])], world)
         fut = self.calls.submit(self._lease, match.shard_id, lease_keys)
         self._leasing[request.request_id] = _Leasing(match, blocks.get_block_ids(), fut, self._step)
 
@@ -428,35 +441,42 @@ class SchedulerSide:
             match = p.match
             leased = list(reply.lease.blocks) if reply is not None else []
             n = match.end - match.start
+            world = self.tp_world
+            usable = min(len(leased) // world, n)  # blocks every rank got a slot for
             r.lease_s += lease_s
             g = self.plan.block_groups[0]
-            r.loading = [p.block_ids[g][i] for i in range(match.start, match.start + len(leased[:n]))]
+            r.loading = [p.block_ids[g][i] for i in range(match.start, match.start + usable)]
             if reply is None:
                 self.stats.leases_failed += 1
             if lease_id:
                 r.leases.append(_Lease(match.shard_id, lease_id, p.step))
                 self.stats.leases_taken += 1
                 self.stats.note(f"lease {rid} {match.shard_id} {lease_id}")
-            if len(leased) < n + int(self.plan.hybrid):
+            if len(leased) < (n + int(self.plan.hybrid)) * world:
                 self.stats.leases_short += 1
                 if reply is not None and match.shard_id == self.shards.local_shard_id(wait=False):
-                    self._lost(r, match.start + min(len(leased), n), match.end)
+                    self._lost(r, match.start + usable, match.end)
                 if self.plan.hybrid and lease_id:
                     self._release(rid, "short", only=lease_id)  # useless without the state
             self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
                     block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float) -> None:
+        world = self.tp_world
+
+        def slot(j: int) -> RemoteBlock | None:
+            """The ``j``-th leased slot (rank-interleaved); None: not leased, a load error from the start."""
+            return RemoteBlock(leased[j].offset, leased[j].length, leased[j].checksum) if j < len(leased) else None
+
         loads: list[LoadBlock] = []
         for i in range(start, end):
-            j = i - start
-            remote = RemoteBlock(leased[j].offset, leased[j].length, leased[j].checksum) if j < len(leased) else None
-            loads.append(LoadBlock({g: block_ids[g][i] for g in self.plan.block_groups}, remote))
-        state: LoadBlock | None = None
+            ids = {g: block_ids[g][i] for g in self.plan.block_groups}
+            loads += [LoadBlock(ids, slot((i - start) * world + rank)) for rank in range(world)]
+        states: list[LoadBlock] = []
         if self.plan.hybrid:
             n = end - start
-            remote = RemoteBlock(leased[n].offset, leased[n].length, leased[n].checksum) if len(leased) > n else None
-            state = LoadBlock({g: block_ids[g][end - 1] for g in self.plan.state_groups}, remote)
+            ids = {g: block_ids[g][end - 1] for g in self.plan.state_groups}
+            states = [LoadBlock(ids, slot(n * world + rank)) for rank in range(world)]
         self._pending_loads.append(LoadSpec(
             req_id=req_id,
             shard_id=shard_id,
@@ -464,14 +484,16 @@ class SchedulerSide:
             shard_epoch=reply.epoch if reply is not None else "",
             region_id=reply.region_id if reply is not None else -1,
             blocks=loads,
-            state=state,
+            states=states,
             all_or_nothing=self.plan.hybrid,
             lease_s=lease_s,
             ssd_blocks=sum(1 for b in leased if b.from_tier is Tier.SSD),
+            grant=reply.lease.grant if reply is not None else b"",
+            world=world,
         ))
         self.stats.loads_planned += 1
-        self.stats.blocks_to_load += len(loads)
-        self.stats.hit_tokens += len(loads) * self.block_size
+        self.stats.blocks_to_load += end - start
+        self.stats.hit_tokens += (end - start) * self.block_size
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, so: Any) -> KvPoolMetadata:
@@ -615,4 +637,4 @@ class SchedulerSide:
 
 def _failed_spec(req_id: str) -> LoadSpec:
     """A load the worker reports failed at once (nothing leased): vLLM recomputes the request."""
-    return LoadSpec(req_id, "", "", "", -1, [], None, True)
+    return LoadSpec(req_id, "", "", "", -1, [], [], True)

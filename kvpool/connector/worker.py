@@ -19,6 +19,12 @@ vLLM's model runner (one per worker process; in-process engines: the engine-core
   the checksums, which the shard verifies). A failed or dropped save is a future miss, never an error or a wait.
 - ``get_transfer_results`` every step: the requests whose load finished since the last step (failed ones included),
   with their failed block ids taken at the same moment (for ``get_block_ids_with_load_errors`` right after).
+
+Tensor parallelism: every TP rank runs a worker role over its own share of the heads. It saves its blocks under its
+rank's keys (``kvpool.keys.rank_key``: the scheduler plans saves under rank 0's) and reports them back under rank
+0's, so the engine's aggregated ``SaveReport`` counts a block saved only when no rank failed it; it loads its
+own slots of a ``LoadSpec`` (the scheduler leased every rank's). vLLM waits for every rank's load before it
+schedules the request. Pipeline parallelism is refused (``check_parallelism``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from kvpool.connector.meta import KvPoolHandshake, KvPoolMetadata, LoadBlock, Lo
 from kvpool.connector.pool import KnownPeers, PoolShards
 from kvpool.connector.saver import BlockSaver, SaveStats
 from kvpool.connector.weights import weights_identity
+from kvpool.keys import rank_key
 from kvpool.layout import KvLayout, LayoutError
 from kvpool.transfer.base import BlockOp, TransferEndpoint
 
@@ -100,8 +107,33 @@ def make_same_host_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEn
     return ShmEndpoint(f"{agent_name}-shm")
 
 
+def check_parallelism(parallel_config: Any) -> int:
+    """The engine's tensor-parallel world size (each rank keys its heads apart: module docstring). Refuses
+    (``LayoutError``, the engine does not start) a pipeline-parallel engine: each stage holds other layers of the
+    same blocks, and the pool keys and checks one layout per engine, so such an engine runs without the pool rather
+    than on KV it cannot describe."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise LayoutError(f"the kvpool connector keys the KV of a whole layer stack per rank; "
+                          f"pipeline_parallel_size={pp} splits the layers over stages: run this engine with "
+                          "app.pool.enabled: false")
+    return tp
+
+
+def tensor_parallel_rank(world: int) -> int:
+    """This worker's tensor-parallel rank (vLLM's process group; 0 for a single-rank engine)."""
+    if world <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.tp_world = check_parallelism(vllm_config.parallel_config)
+        self.tp_rank = tensor_parallel_rank(self.tp_world)
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
         self.plan = pool_plan(group_kinds(kv_cache_config))  # unknown kinds refuse here already
@@ -112,7 +144,8 @@ class WorkerSide:
         mc = vllm_config.model_config
         self.digest = model_digest(hf_json, kv_cache_config, str(vllm_config.cache_config.cache_dtype),
                                    weights=weights_identity(mc.model, getattr(mc, "revision", None)),
-                                   quantization=str(getattr(mc, "quantization", None) or ""))
+                                   quantization=str(getattr(mc, "quantization", None) or ""),
+                                   tensor_parallel=self.tp_world)
         self.layout: KvLayout | None = None
         self.geometry: PoolGeometry | None = None
         self.agent_name = f"kvpool-engine-{uuid.uuid4().hex[:12]}"
@@ -131,6 +164,8 @@ class WorkerSide:
         self.loader: BlockLoader | None = None
         self._records: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS)
         self._meta: KvPoolMetadata | None = None
+        # a TP rank > 0's own key -> (the planned rank-0 key, saves staged and not yet reported)
+        self._planned_key: dict[bytes, tuple[bytes, int]] = {}
 
     @property
     def endpoint(self) -> TransferEndpoint | None:
@@ -231,9 +266,11 @@ class WorkerSide:
         geo = self.geometry
         if geo is None:
             return []
-        items = [(b, geo.block_groups) for b in spec.blocks]
-        if spec.state is not None:
-            items.append((spec.state, geo.state_groups))
+        world, rank = max(spec.world, 1), self.tp_rank
+        if world != self.tp_world:  # never expected: a spec planned for another engine shape is a failed load
+            return [(LoadBlock({}, None), geo.block_groups)]
+        items = [(b, geo.block_groups) for b in spec.blocks[rank::world]]
+        items += [(b, geo.state_groups) for b in spec.states[rank::world]]
         return items
 
     def _load_batch(self, specs: list[LoadSpec]) -> None:
@@ -309,7 +346,8 @@ class WorkerSide:
             assert self.peers is not None
             endpoint = self.peers.endpoint_for(head.agent_name)
             t0 = time.perf_counter()
-            result = endpoint.read(head.agent_name, ops, self.cfg.transfer_deadline_s)
+            result = endpoint.read(head.agent_name, ops, self.cfg.transfer_deadline_s,
+                                   grants=[spec.grant for spec in group if spec.grant])
             read_s = time.perf_counter() - t0
         except Exception as exc:  # peer metadata unavailable, shard dead: every block of these loads failed
             log.warning("kvpool connector: read from %s failed: %s", head.shard_id, exc)
@@ -383,11 +421,38 @@ class WorkerSide:
         blocks: list[tuple[bytes, list[np.ndarray]]] = []
         for spec in meta.saves:
             for key, ids in zip(spec.keys, spec.blocks, strict=True):
-                blocks.append((key, self._pieces(geo.pieces(geo.block_groups, ids))))
+                blocks.append((self._own_key(key), self._pieces(geo.pieces(geo.block_groups, ids))))
             if spec.state_key is not None and spec.state_block is not None:
-                blocks.append((spec.state_key, self._pieces(geo.pieces(geo.state_groups, spec.state_block))))
+                blocks.append((self._own_key(spec.state_key),
+                               self._pieces(geo.pieces(geo.state_groups, spec.state_block))))
         if blocks:
             self.saver.stage(local, meta.fingerprint, blocks)
+
+    def _own_key(self, planned: bytes) -> bytes:
+        """The key this rank saves a planned block under (the planned key itself on rank 0)."""
+        if self.tp_rank == 0:
+            return planned
+        own = bytes(rank_key(planned, self.tp_rank, self.tp_world))
+        entry = self._planned_key.get(own)
+        self._planned_key[own] = (planned, entry[1] + 1 if entry else 1)
+        return own
+
+    def _planned(self, keys: list[bytes]) -> list[bytes]:
+        """Reported keys back under the keys the scheduler planned (the saver reports every staged key once)."""
+        if self.tp_rank == 0:
+            return keys
+        out: list[bytes] = []
+        for k in keys:
+            entry = self._planned_key.get(k)
+            if entry is None:  # never expected: report it under its own key (the scheduler ignores unknown keys)
+                out.append(k)
+                continue
+            out.append(entry[0])
+            if entry[1] > 1:
+                self._planned_key[k] = (entry[0], entry[1] - 1)
+            else:
+                del self._planned_key[k]
+        return out
 
     def _pieces(self, pieces: list[tuple[int, int, int]]) -> list[np.ndarray]:
         return [self._arrays[region][off : off + length] for region, off, length in pieces]
@@ -418,7 +483,9 @@ class WorkerSide:
             return None
         saved, failed = self.saver.take_outcomes()
         skipped = self.saver.take_skipped()
-        return SaveReport(saved, failed, skipped) if saved or failed or skipped else None
+        if not (saved or failed or skipped):
+            return None
+        return SaveReport(self._planned(saved), self._planned(failed), self._planned(skipped))
 
     def take_transfer_records(self) -> list[TransferRecord]:
         """The finished loads since the last call (oldest first; at most ``TRANSFER_RECORDS`` are kept)."""

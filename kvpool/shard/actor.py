@@ -18,16 +18,20 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
   tests and draining read ``entry_info`` and call ``demote``.
 
-Every call carries the cluster secret's proof (``kvpool.secret.call_proof`` for its op; a commit's
-is bound to its reservation): a call without it is refused with a ``PermissionError`` that says nothing of the shard
-and counted in ``kvstack_pool_unauthenticated_total`` — a Ray caller that does not know the secret gets no transfer
-metadata, no lookup, no lease, no slot, no event. A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``)
-and calls its store without a lock of its own: the store is thread-safe (``kvpool.store``: its lock covers metadata
+Every call carries the cluster secret's proof (``kvpool.secret.call_proof`` for its op; a commit's is bound to its
+reservation in this incarnation): a call without it is refused with a ``PermissionError`` that says nothing of the
+shard and counted in ``kvstack_pool_unauthenticated_total`` — a Ray caller that does not know the secret gets no
+transfer metadata, no lookup, no lease, no slot, no event. On the TCP backend its server also checks grants: a
+transfer moves only spans inside the slots of a lease (read) or reservation (read, write) whose grant the peer
+presents (``kvpool.store``, "Grants"; refusals counted with op ``tcp_read`` / ``tcp_write``).
+
+A request of another wire version is refused (``WireVersionError``). The actor is threaded (``max_concurrency``) and
+calls its store without a lock of its own: the store is thread-safe (``kvpool.store``: its lock covers metadata
 only; SSD reads and writes and lease checksums run outside it, so a slow disk stalls only the calls that wait on
 that block). Lease and reservation expiry run on a background sweeper thread every ``sweep_interval_s``, so expiry
-does not wait for the next request. ``pull`` runs in its own concurrency group
-(``PULL_CONCURRENCY`` threads; more pulls queue there): a pull waits on its source for up to its deadline, and
-pulls stuck on a frozen source must not starve ``lookup`` / ``lease`` of the connectors.
+does not wait for the next request. ``pull`` runs in its own concurrency group (``PULL_CONCURRENCY`` threads; more
+pulls queue there): a pull waits on its source for up to its deadline, and pulls stuck on a frozen source must not
+starve ``lookup`` / ``lease`` of the connectors.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -97,12 +102,13 @@ class PoolShard:
         if cfg.backend != "none":
             from kvpool.transfer import make_endpoint
 
-            options: NixlOptions | TcpOptions
-            if cfg.backend == "nixl":
-                options = cfg.nixl or NixlOptions()
+            if cfg.backend == "tcp":  # the one backend that checks grants per span (kvpool.transfer.tcp, "Grants")
+                from kvpool.transfer.tcp import TcpEndpoint
+
+                self.endpoint = TcpEndpoint(self.agent_name, options=cfg.tcp or TcpOptions(bind_host=self.node_ip),
+                                            grant_check=self._granted)
             else:
-                options = cfg.tcp or TcpOptions(bind_host=self.node_ip)
-            self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=options)
+                self.endpoint = make_endpoint(cfg.backend, self.agent_name, options=cfg.nixl or NixlOptions())
             self.region_id = self.endpoint.register(self.store.arena.buffer)
         self.shm: Any = None  # the arena exported to same-host clients (kvpool.transfer.shm), with the same region id
         if self.endpoint is not None and self.store.arena.fd is not None:
@@ -120,6 +126,15 @@ class PoolShard:
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name=f"sweep-{cfg.shard_id}", daemon=True)
         self._sweeper.start()
+
+    def _granted(self, op: str, grants: Sequence[bytes], spans: Sequence[tuple[int, int, int]]) -> bool:
+        """The TCP server's grant check: every span in the arena, inside slots the grants cover
+        (``BlockStore.granted``). A refusal is counted like an unauthenticated call."""
+        ok = all(region == self.region_id for region, _, _ in spans) and self.store.granted(
+            grants, [(offset, length) for _, offset, length in spans], write=op == "write")
+        if not ok:
+            self.metrics.refused(f"tcp_{op}")
+        return ok
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.config.sweep_interval_s):
@@ -179,9 +194,9 @@ class PoolShard:
         ok = self.store.release(req.lease_id)
         return encode(AckReply(self.config.shard_id, self.store.epoch, ok))
 
-    def _check(self, got: bytes, op: str, reservation_id: int = 0) -> None:
+    def _check(self, got: bytes, op: str, reservation_id: int = 0, epoch: str = "") -> None:
         """Refuse a call without the cluster secret's proof (``kvpool.secret.call_proof``), saying nothing else."""
-        if not hmac.compare_digest(got, call_proof(self._secret, op, reservation_id)):
+        if not hmac.compare_digest(got, call_proof(self._secret, op, reservation_id, epoch)):
             self.metrics.refused(op)
             raise PermissionError(f"{op}: not authenticated (the cluster secret's proof is missing or wrong)")
 
@@ -195,7 +210,8 @@ class PoolShard:
 
     def commit(self, raw: bytes, proof: bytes = b"") -> bytes:
         req = decode(raw, CommitRequest)
-        self._check(req.proof, "commit", req.reservation_id)  # bound to its reservation (the call's own: unused)
+        # bound to its reservation in this incarnation (the call's own proof: unused)
+        self._check(req.proof, "commit", req.reservation_id, self.store.epoch)
         if req.checksum_algo != CHECKSUM_ALGO:
             raise WireVersionError(f"checksum algorithm {req.checksum_algo!r}, this shard uses {CHECKSUM_ALGO!r}")
         res = self.store.commit(req.reservation_id, req.keys, req.checksums, req.fingerprint, model=req.model)

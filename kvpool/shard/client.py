@@ -12,7 +12,7 @@ Who calls what:
   clients of it.
 
 Every call carries the cluster secret's proof (``kvpool.secret.call_proof``: the shard refuses a call without it),
-as its last argument (a commit's, bound to its reservation, inside its request). Every call has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
+as its last argument (a commit's, bound to its reservation and the shard's epoch, inside its request). Every call has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
 ``ShardDeadError``; a reply of another wire version ``WireVersionError``. An exception raised inside the actor
 (e.g. an invalid request it refused) propagates as Ray's ``RayTaskError``.
 """
@@ -154,9 +154,10 @@ class ShardClient:
 
     def commit(
         self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
-        model: str = "",
+        model: str = "", *, epoch: str,
     ) -> CommitResult:
-        proof = call_proof(pool_secret(), "commit", reservation_id)
+        """``epoch``: the shard incarnation that granted the reservation (its ``ReserveReply.epoch``)."""
+        proof = call_proof(pool_secret(), "commit", reservation_id, epoch)
         req = CommitRequest(reservation_id, list(keys), [int(c) for c in checksums], fingerprint, model=model,
                             proof=proof)
         return decode(self._call("commit", encode(req)), CommitReply).result

@@ -271,7 +271,7 @@ class Puller:
             ops = [BlockOp(rep.region_id, b.offset, self.region_id, off, b.length)
                    for b, off in zip(blocks, res.offsets, strict=False)]
             t_read = self._clock()
-            result = self.endpoint.read(rep.agent_name, ops, remaining())
+            result = self.endpoint.read(rep.agent_name, ops, remaining(), grants=[rep.lease.grant])
             t.read_seconds = self._clock() - t_read
             t.bytes_moved += result.bytes_moved
             if result.failed:

@@ -105,7 +105,7 @@ class CommitRequest(msgspec.Struct, frozen=True, tag="commit"):
     checksum_algo: str = CHECKSUM_ALGO  # checked against the shard's own (``kvpool.checksum``)
     version: int = POOL_WIRE_VERSION
     model: str = ""  # the writer's model id: labels the fingerprint's blocks in the shard's accounting
-    proof: bytes = b""  # kvpool.secret.call_proof(secret, "commit", reservation id)
+    proof: bytes = b""  # kvpool.secret.call_proof(secret, "commit", reservation id, shard epoch)
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

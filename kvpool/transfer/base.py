@@ -108,12 +108,17 @@ class TransferEndpoint(abc.ABC):
         """Forget a peer; later ops to it fail."""
 
     @abc.abstractmethod
-    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
-        """Pull remote bytes into local regions."""
+    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+             ) -> TransferResult:
+        """Pull remote bytes into local regions. ``grants``: the leases' / reservations' grants that cover the
+        remote spans (``kvpool.store``, "Grants"); a server that checks them (the shard's TCP server) refuses spans
+        no grant covers. NIXL and shared memory carry none: UCX memory keys and a mapped segment cannot be checked
+        per span (README, Security)."""
 
     @abc.abstractmethod
-    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
-        """Push local bytes into remote regions."""
+    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
+        """Push local bytes into remote regions; ``grants`` as for ``read`` (a reservation's)."""
 
     @abc.abstractmethod
     def close(self) -> None:

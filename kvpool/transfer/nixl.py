@@ -297,10 +297,12 @@ class NixlEndpoint(TransferEndpoint):
             if peer is not None:
                 self._drop_peer(peer)
 
-    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+             ) -> TransferResult:
         return self._transfer("READ", peer, ops, deadline_s)
 
-    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
         return self._transfer("WRITE", peer, ops, deadline_s)
 
     def close(self) -> None:

@@ -195,10 +195,12 @@ class ShmEndpoint(TransferEndpoint):
         if peer is not None:
             peer.close()
 
-    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+             ) -> TransferResult:
         return self._transfer("read", peer, ops, deadline_s)
 
-    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
         return self._transfer("write", peer, ops, deadline_s)
 
     def close(self) -> None:

@@ -14,8 +14,15 @@ HMAC(secret, "server", both nonces), which the client checks in turn. A failed p
 a word. Requests are then at most ``MAX_REQUEST_FRAME`` bytes (their spans, not data), and a connection idle past
 ``server_idle_timeout_s`` is closed (the client's pool redials).
 
+Grants (issue 16): an endpoint made with a ``grant_check`` (the pool shard's: ``BlockStore.granted``) serves a
+request only when the grants it carries cover every span — a lease's blocks for a READ, a reservation's slots for
+either — so a peer that knows the cluster secret still reads and writes only the slots it was granted, never an
+arbitrary span of a region. Without a ``grant_check`` (a client's own endpoint) any span of a registered region is
+served to an authenticated peer.
+
 Wire (one TCP connection carries one request at a time; every frame is a 4-byte big-endian length + msgpack):
-  client -> server  ``TcpRequest`` (version, op, target agent name, target epoch, spans of (region, offset, len))
+  client -> server  ``TcpRequest`` (version, op, target agent name, target epoch, spans of (region, offset, len),
+                    grants)
   WRITE:            then the raw bytes of every span, in order
   server -> client  ``TcpResponse`` (version, ok, error)
   READ and ok:      then the raw bytes of every span, in order
@@ -32,7 +39,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -66,8 +73,10 @@ from kvpool.transfer.common import (
 )
 from kvpool.transfer.metrics import TransferMetrics, transfer_metrics
 
-TCP_WIRE_VERSION = 1
+TCP_WIRE_VERSION = 2  # 2: requests carry grants
 TcpOp = Literal["read", "write"]  # a request of another op does not decode ("bad request")
+# (op, the request's grants, its spans as (region, offset, length)) -> serve it?
+GrantCheck = Callable[[TcpOp, Sequence[bytes], Sequence[tuple[int, int, int]]], bool]
 _FRAME = struct.Struct("!I")
 _MAX_FRAME = 64 << 20
 MAX_REQUEST_FRAME = 1 << 20  # a request is its spans (~20 bytes each): 50k spans, never a data-sized frame
@@ -104,6 +113,7 @@ class TcpRequest(msgspec.Struct, frozen=True, tag="tcp_req"):
     target: str
     epoch: str
     spans: list[tuple[int, int, int]]  # (region, offset, length) on the server
+    grants: list[bytes] = []  # the leases' / reservations' grants covering the spans (see "Grants")
 
 
 class TcpResponse(msgspec.Struct, frozen=True, tag="tcp_resp"):
@@ -176,12 +186,14 @@ class TcpEndpoint(TransferEndpoint):
 
     def __init__(
         self, agent_name: str, options: TcpOptions | None = None, metrics: TransferMetrics | None = None,
-        secret: bytes | None = None,
+        secret: bytes | None = None, grant_check: GrantCheck | None = None,
     ) -> None:
-        """``secret``: the cluster secret both ends prove (default: this process's, ``kvpool.secret``)."""
+        """``secret``: the cluster secret both ends prove (default: this process's, ``kvpool.secret``).
+        ``grant_check``: serve only the spans it grants (see "Grants"); None serves any span of a region."""
         if not agent_name:
             raise ValueError("agent_name must be non-empty")
         self._name = agent_name
+        self._grant_check = grant_check
         self._secret = pool_secret.pool_secret() if secret is None else secret
         self._options = options or TcpOptions()
         self._metrics = metrics or transfer_metrics()
@@ -308,6 +320,8 @@ class TcpEndpoint(TransferEndpoint):
             if offset < 0 or length <= 0 or offset + length > len(mv):
                 return f"span {i}: range [{offset}, {offset + length}) outside region {region} of {len(mv)} bytes", None
             views.append(mv[offset : offset + length])
+        if self._grant_check is not None and not self._grant_check(req.op, req.grants, req.spans):
+            return "not granted: no lease or reservation of this peer covers these spans", None
         return "", views
 
     def _drain(self, conn: socket.socket, req: TcpRequest) -> None:
@@ -363,11 +377,13 @@ class TcpEndpoint(TransferEndpoint):
         if peer is not None:
             _close_all(peer.idle)
 
-    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
-        return self._transfer("read", peer, ops, deadline_s)
+    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+             ) -> TransferResult:
+        return self._transfer("read", peer, ops, deadline_s, grants)
 
-    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
-        return self._transfer("write", peer, ops, deadline_s)
+    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
+        return self._transfer("write", peer, ops, deadline_s, grants)
 
     def close(self) -> None:
         with self._lock:
@@ -398,7 +414,8 @@ class TcpEndpoint(TransferEndpoint):
         if self._closed.is_set():
             raise RuntimeError(f"endpoint {self._name!r} is closed")
 
-    def _transfer(self, direction: TcpOp, peer_name: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def _transfer(self, direction: TcpOp, peer_name: str, ops: Sequence[BlockOp], deadline_s: float,
+                  grants: Sequence[bytes]) -> TransferResult:
         deadline = Deadline(deadline_s)
         table = OpTable(ops)
         with self._lock:
@@ -416,17 +433,19 @@ class TcpEndpoint(TransferEndpoint):
             elif deadline.expired():
                 result = all_failed(len(table), deadline.elapsed(), "deadline expired before the transfer started")
             else:
-                result = self._run(direction, peer, table, views, deadline)
+                result = self._run(direction, peer, table, views, deadline, grants)
         self._metrics.observe(self.backend, direction, result)
         return result
 
     def _run(
-        self, direction: TcpOp, peer: _Peer, table: OpTable, views: dict[int, memoryview], deadline: Deadline
+        self, direction: TcpOp, peer: _Peer, table: OpTable, views: dict[int, memoryview], deadline: Deadline,
+        grants: Sequence[bytes],
     ) -> TransferResult:
         rows = table.rows
         spans = [(r[REMOTE_REGION], r[REMOTE_OFFSET], r[LENGTH]) for r in rows]
         local = [views[r[LOCAL_REGION]][r[LOCAL_OFFSET] : r[LOCAL_OFFSET] + r[LENGTH]] for r in rows]
-        request = _encoder.encode(TcpRequest(TCP_WIRE_VERSION, direction, peer.meta.agent_name, peer.meta.epoch, spans))
+        request = _encoder.encode(TcpRequest(TCP_WIRE_VERSION, direction, peer.meta.agent_name, peer.meta.epoch, spans,
+                                             [bytes(g) for g in grants]))
         attempts = 2  # a pooled connection may have gone stale: one retry on a fresh one
         done = 0
         error = ""

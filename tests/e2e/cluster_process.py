@@ -41,9 +41,10 @@ class ClusterProcess:
         return self._reply(deadline_s)["node_id"]
 
 
-def running_cluster(tmp: Path, workers: int = 2) -> Iterator[ClusterProcess]:
+def running_cluster(tmp: Path, workers: int = 2, env: dict[str, str] | None = None) -> Iterator[ClusterProcess]:
+    """``env``: more environment for the cluster's processes (e.g. Ray's TLS settings)."""
     log = tmp / "cluster.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}, **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.cluster_process", str(workers)], cwd=REPO, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                             start_new_session=True)

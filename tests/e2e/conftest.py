@@ -26,7 +26,8 @@ from tests.ray_cluster_fixture import RayCluster
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".kvstack" / "models"
 TINY: dict[str, tuple[str, str]] = {"dense": ("qwen3", "tiny-qwen3"), "hybrid": ("qwen3-next", "tiny-qwen3-next")}
-SLOT_BYTES = 256 * 1024  # one dense tiny block (4 layers x 64 KiB); a hybrid tiny state needs 105 KiB
+# one dense tiny block in float32 (4 layers x 128 KiB; bfloat16: half); a hybrid tiny state needs 105 KiB
+SLOT_BYTES = 512 * 1024
 
 
 @pytest.fixture(scope="session")

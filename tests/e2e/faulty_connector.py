@@ -68,9 +68,9 @@ class FaultyKvPoolConnector(KvPoolConnector):
                 endpoint = worker.peers.transfer_endpoint
                 real = endpoint.read
 
-                def late(peer: str, ops: list[BlockOp], deadline_s: float) -> Any:
+                def late(peer: str, ops: list[BlockOp], deadline_s: float, grants: Any = ()) -> Any:
                     del endpoint.read  # once
-                    real(peer, ops, deadline_s)  # the bytes land, as a late transfer's may
+                    real(peer, ops, deadline_s, grants)  # the bytes land, as a late transfer's may
                     return all_failed(len(ops), deadline_s, "injected: the cancel was refused", settled=False)
 
                 endpoint.read = late

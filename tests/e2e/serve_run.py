@@ -73,7 +73,8 @@ def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Pat
 
 
 def get_status(server) -> dict[str, Any]:
-    return httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()
+    """``server["status_headers"]``: what ``/kvstack/*`` needs of it (the admin key), if anything."""
+    return httpx.get(server["base"][:-3] + "/kvstack/status", headers=server.get("status_headers"), timeout=60).json()
 
 
 def wait_for_status(server, holds: Callable[[dict[str, Any]], bool], what: str, *, answers: int = 1,

@@ -91,10 +91,10 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert "max_model_len" in str(too_long.value)  # vLLM's own message, naming the limit
-    with pytest.raises(openai.BadRequestError) as unsupported:  # cannot be honoured yet: refused by name
+    with pytest.raises(openai.BadRequestError) as unsupported:  # cannot be honoured: refused by name
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       extra_body={"cache_salt": "tenant-a"})
-    assert unsupported.value.response.json()["error"]["param"] == "cache_salt"
+                                       extra_body={"use_beam_search": True})
+    assert unsupported.value.response.json()["error"]["param"] == "use_beam_search"
     r = httpx.post(url, content=b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
                                 b'"temperature": NaN}' % MODEL.encode(), timeout=30)
     assert r.status_code == 400 and "JSON number" in r.json()["error"]["message"]
@@ -491,12 +491,15 @@ def test_a_60_second_soak_leaves_no_lease_no_error_no_wrong_output(server, tmp_p
     parser = argparse.ArgumentParser()
     configure(parser)
     args = parser.parse_args(["--duration-s", "60", "--in-flight", "8", "--spot-sessions", "2",
+                              "--rss-interval-s", "10",
                               "--serve-set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}"])
     result = soak(server["base"], server["proc"].pid, args, tmp_path)
     assert result["requests"]["ok"] >= 20 and result["requests"]["errors"] == 0, result["errors"]
     assert result["pool_end"]["leases"] == 0 and result["pool_end"]["blocks"] > 0, result["pool_end"]
     assert result["step_s"]["samples"] > 100 and 0 < result["step_s"]["p50"] <= result["step_s"]["p99"]
     assert result["rss"]["total_end_mib"] > 0 and result["rss"]["gone"] == 0, result["rss"]
+    during = result["rss"]["during_load"]  # sampled every 10 s: the start, 5 or more on the way, the end
+    assert len(during["series"]) >= 6 and during["processes"] and all(x["total_mib"] > 0 for x in during["series"])
     assert result["wrong_outputs"] == 0 and result["spot_check"]["compared"] >= 3, result["spot_check"]
     assert result["ok"] and (tmp_path / "soak.png").exists()
 

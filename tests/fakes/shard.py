@@ -8,6 +8,8 @@
 - ``StoreShardClient``: the write side of a shard as the connector's saver sees a ``ShardClient`` (``reserve``,
   ``commit``, ``abort``, ``transfer_metadata``); ``hold`` makes ``reserve`` wait until released (a frozen shard),
   ``fail`` makes it raise (a dead one). Used by tests/unit/test_block_saver.py.
+Both serve transfers into their arena only under the grants of their store's leases and reservations, as the
+shard's TCP server does.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StoreSource(PullSource):
         self.agent_name = f"kvpool-{store.shard_id}"
         self.endpoint = LoopbackEndpoint(fabric, self.agent_name, epoch)
         self.region_id = self.endpoint.register(store.arena.buffer)
+        fabric.grant_checks[self.agent_name] = lambda write, grants, spans: store.granted(grants, spans, write)
         self.mode: SourceMode = "ok"
         self.leased: list[list[bytes]] = []  # keys of every lease asked for
         self.released: list[int] = []
@@ -74,6 +77,7 @@ class StoreShardClient:
         self.agent_name = f"kvpool-{store.shard_id}"
         self.endpoint = LoopbackEndpoint(fabric, self.agent_name, epoch)
         self.region_id = self.endpoint.register(store.arena.buffer)
+        fabric.grant_checks[self.agent_name] = lambda write, grants, spans: store.granted(grants, spans, write)
         self.hold = threading.Event()  # set: reserve waits until ``release`` (a frozen shard)
         self.fail = False  # reserve raises ShardDeadError
         self.aborted: list[int] = []
@@ -94,7 +98,9 @@ class StoreShardClient:
         return ReserveReply(self.store.shard_id, self.store.epoch, self.agent_name, self.region_id, res)
 
     def commit(self, reservation_id: int, keys: list[bytes], checksums: list[int], fingerprint: str,
-               model: str = "") -> CommitResult:
+               model: str = "", *, epoch: str) -> CommitResult:
+        if epoch != self.store.epoch:  # the real shard refuses the commit proof of another incarnation
+            raise PermissionError("commit: not authenticated (fake)")
         with self._lock:
             return self.store.commit(reservation_id, keys, checksums, fingerprint, model=model)
 

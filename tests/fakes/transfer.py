@@ -3,7 +3,9 @@
 Endpoints that share a ``LoopbackFabric`` reach each other's registered buffers by agent name; a fabric can mark an
 agent dead (its ops fail, like a dead peer), frozen (its ops wait out their deadline, then fail), unsettled (its
 ops move the bytes, then report every op failed with ``settled=False``: a late transfer whose cancel was refused,
-as NIXL can report) or fail chosen op indices of every call (a partial failure, as TCP can report). Used where the transfer is a neighbour of what is
+as NIXL can report) or fail chosen op indices of every call (a partial failure, as TCP can report); an agent
+with a grant check refuses every call whose grants do not cover its spans in that agent's memory, as the shard's
+TCP server does (``kvpool.transfer.tcp``, "Grants"). Used where the transfer is a neighbour of what is
 tested (the shard pull: tests/unit/test_shard_pull.py, and ``tests.fakes.shard``); it follows the rules the real
 backends share, checked by running it through the transport conformance suite
 (tests/integration/test_transport_conformance.py) with the real backends.
@@ -12,7 +14,7 @@ backends share, checked by running it through the transport conformance suite
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.transfer.base import (
     TRANSFER_WIRE_VERSION,
@@ -36,6 +38,8 @@ class LoopbackFabric:
         self.frozen: set[str] = set()  # ops to a frozen agent wait out their deadline, then fail
         self.fail_ops: set[int] = set()
         self.unsettled: set[str] = set()  # ops to these agents land, then are reported failed and unsettled
+        # agent -> (write?, the call's grants, its (offset, length) spans in the agent's memory) -> serve it?
+        self.grant_checks: dict[str, Callable[[bool, Sequence[bytes], list[tuple[int, int]]], bool]] = {}
 
 
 class LoopbackEndpoint(TransferEndpoint):
@@ -72,7 +76,8 @@ class LoopbackEndpoint(TransferEndpoint):
     def remove_peer(self, agent_name: str) -> None:
         self.peers.pop(agent_name, None)
 
-    def _move(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, read: bool) -> TransferResult:
+    def _move(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, read: bool, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
         deadline = Deadline(deadline_s)
         table = OpTable(ops)
         mine = self.fabric.buffers.get(self.name, [])
@@ -80,7 +85,11 @@ class LoopbackEndpoint(TransferEndpoint):
         meta = self.peers.get(peer)
         if meta is not None:
             table.check_remote({r.region_id: r.length for r in meta.regions}, peer)
-        result = self._transfer(peer, meta, ops, deadline, read)
+        check = self.fabric.grant_checks.get(peer)
+        if check is not None and not check(not read, grants, [(op.remote_offset, op.length) for op in ops]):
+            result = all_failed(len(ops), deadline.elapsed(), f"peer {peer!r}: not granted")
+        else:
+            result = self._transfer(peer, meta, ops, deadline, read)
         if self.metrics is not None:
             self.metrics.observe(self.backend, "read" if read else "write", result)
         return result
@@ -111,12 +120,14 @@ class LoopbackEndpoint(TransferEndpoint):
         ok = [i for i in range(len(ops)) if i not in self.fabric.fail_ops]
         return TransferResult(ok, failed, moved, deadline.elapsed(), "injected" if failed else "")
 
-    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
+    def read(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+             ) -> TransferResult:
         self.reads += 1
-        return self._move(peer, ops, deadline_s, read=True)
+        return self._move(peer, ops, deadline_s, read=True, grants=grants)
 
-    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float) -> TransferResult:
-        return self._move(peer, ops, deadline_s, read=False)
+    def write(self, peer: str, ops: Sequence[BlockOp], deadline_s: float, grants: Sequence[bytes] = ()
+              ) -> TransferResult:
+        return self._move(peer, ops, deadline_s, read=False, grants=grants)
 
     def close(self) -> None:
         self.fabric.buffers.pop(self.name, None)

@@ -74,15 +74,17 @@ class BufferActor:
 
         return [BlockOp(*op) for op in ops]
 
-    def read(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float) -> bytes:
-        return msgspec.msgpack.encode(self.ep.read(peer, self._ops(ops), deadline_s))
+    def read(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float,
+             grants: list[bytes] = ()) -> bytes:
+        return msgspec.msgpack.encode(self.ep.read(peer, self._ops(ops), deadline_s, grants))
 
-    def write(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float) -> bytes:
-        return msgspec.msgpack.encode(self.ep.write(peer, self._ops(ops), deadline_s))
+    def write(self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float,
+              grants: list[bytes] = ()) -> bytes:
+        return msgspec.msgpack.encode(self.ep.write(peer, self._ops(ops), deadline_s, grants))
 
     def read_until_failure(
         self, peer: str, ops: list[tuple[int, int, int, int, int]], deadline_s: float, max_s: float,
-        progress_path: str,
+        progress_path: str, grants: list[bytes] = (),
     ) -> tuple[int, bytes, float]:
         """Read repeatedly until a read reports failed blocks (or ``max_s`` passes): (iterations, last result,
         wall seconds of the last read). After each read, the count of reads done is written to ``progress_path``
@@ -92,7 +94,7 @@ class BufferActor:
         n = 0
         while True:
             t0 = time.monotonic()
-            res = self.ep.read(peer, block_ops, deadline_s)
+            res = self.ep.read(peer, block_ops, deadline_s, grants)
             took = time.monotonic() - t0
             n += 1
             Path(progress_path).write_text(str(n))
@@ -197,9 +199,11 @@ def write_blocks(pool: Pool, writer: Any, keys: list[bytes], seeds: list[int]) -
     ray.get(writer.fill.remote(0, b"".join(payload(s) for s in seeds)), timeout=60)
     region = ray.get(writer.region_id.remote(), timeout=30)
     ops = [(rep.region_id, off, region, i * SLOT, SLOT) for i, off in enumerate(offsets)]
-    res = decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+    res = decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S, [rep.reservation.grant]),
+                                timeout=60))
     assert res.all_ok, res
-    return client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(s)) for s in seeds], FP)
+    return client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(s)) for s in seeds], FP,
+                         epoch=rep.epoch)
 
 
 def fetch(pool: Pool, reader: Any, node: str, keys: list[bytes], ttl_s: float = 30.0) -> tuple[Any, list[bytes]]:
@@ -208,7 +212,7 @@ def fetch(pool: Pool, reader: Any, node: str, keys: list[bytes], ttl_s: float = 
     region = ray.get(reader.region_id.remote(), timeout=30)
     ops = [(rep.region_id, b.offset, region, i * SLOT, b.length) for i, b in enumerate(rep.lease.blocks)]
     if ops:
-        res = decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+        res = decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S, [rep.lease.grant]), timeout=60))
         assert res.all_ok, res
     data = [ray.get(reader.get.remote(i * SLOT, SLOT), timeout=30) for i in range(len(ops))]
     for b, d in zip(rep.lease.blocks, data, strict=True):
@@ -223,6 +227,25 @@ def test_shards_are_pinned_one_per_worker_node(pool: Pool, ray_cluster: RayClust
         assert info.node_id == ray_cluster.nodes[name].node_id
         assert info.node_ip == ray_cluster.nodes[name].ip
         assert info.backend == pool.backend and info.region_id >= 0
+
+
+def test_a_tcp_shard_listens_on_its_node_address_only(pool: Pool, ray_cluster: RayCluster) -> None:
+    """Issue 16: the shard's TCP server is bound to its Ray node's address, never to every interface: the same
+    port on another address of this host (127.0.0.1, every node's loopback neighbour) is closed."""
+    import socket
+
+    from kvpool.transfer import decode_metadata
+
+    if pool.backend != "tcp":
+        pytest.skip("NIXL's UCX listens where UCX_NET_DEVICES says (lo here; README, Security)")
+    for name, handle in pool.by_node.items():
+        meta = decode_metadata(handle.client().transfer_metadata())
+        host, _, port = meta.payload.decode().rpartition(":")
+        assert host == ray_cluster.nodes[name].ip
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass  # its own address answers
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
 
 
 def test_write_on_a_fetch_on_b_bytes_identical(pool: Pool, writer: Any, reader: Any) -> None:
@@ -243,8 +266,9 @@ def test_commit_with_a_wrong_checksum_is_not_visible(pool: Pool, writer: Any) ->
     ray.get(writer.fill.remote(0, payload(7) + payload(8)), timeout=60)
     region = ray.get(writer.region_id.remote(), timeout=30)
     ops = [(rep.region_id, off, region, i * SLOT, SLOT) for i, off in enumerate(rep.reservation.offsets)]
-    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
-    out = client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(7)), 12345], FP)
+    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S, [rep.reservation.grant]),
+                                 timeout=60)).all_ok
+    out = client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(7)), 12345], FP, epoch=rep.epoch)
     assert out.committed == [0] and out.rejected == [1]
     assert client.lookup(keys, FP).result.prefix == 1
 
@@ -253,6 +277,7 @@ def test_a_caller_without_the_cluster_secret_learns_nothing_and_writes_nothing(p
     """Every call to a shard needs the proof of the cluster secret (``kvpool.secret.call_proof``): a Ray caller that
     sends none (or a forged one, or another call's) gets no transfer metadata, no lookup, no lease, no events, no
     slots, and makes no block visible, even with correct checksums — and is told nothing about the shard."""
+    from kvpool.secret import call_proof, pool_secret
     from kvpool.shard.client import proof_for
     from kvpool.shard.wire import (
         CommitRequest,
@@ -287,14 +312,75 @@ def test_a_caller_without_the_cluster_secret_learns_nothing_and_writes_nothing(p
     ray.get(writer.fill.remote(0, payload(21)), timeout=60)
     region = ray.get(writer.region_id.remote(), timeout=30)
     ops = [(rep.region_id, rep.reservation.offsets[0], region, 0, SLOT)]
-    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
+    assert decode_result(ray.get(writer.write.remote(rep.agent_name, ops, DEADLINE_S, [rep.reservation.grant]),
+                                 timeout=60)).all_ok
     forged = CommitRequest(rep.reservation.reservation_id, keys, [block_checksum(payload(21))], FP)
     with pytest.raises(Exception, match="not authenticated"):
         ray.get(client.handle.commit.remote(encode(forged), proof_for("commit")), timeout=60)
+    # A commit proof of the same reservation id seen in an earlier incarnation of the shard (ids restart with it).
+    replayed = msgspec.structs.replace(forged, proof=call_proof(pool_secret(), "commit", forged.reservation_id,
+                                                                "an-earlier-epoch"))
+    with pytest.raises(Exception, match="not authenticated"):
+        ray.get(client.handle.commit.remote(encode(replayed), proof_for("commit")), timeout=60)
     assert client.lookup(keys, FP).result.prefix == 0
     assert client.lookup(held, FP).result.prefix == 2  # the cluster's own calls still work
     assert client.abort(rep.reservation.reservation_id)  # the slot back for the tests after this one
     assert "kvstack_pool_unauthenticated_total" in client.metrics_text()
+
+
+def test_a_peer_reads_and_writes_only_the_slots_granted_to_it(pool: Pool, writer: Any, reader: Any) -> None:
+    """Issue 16: a peer that knows the cluster secret still moves bytes only in the slots a lease (read) or a
+    reservation (read, write) granted it — never an arbitrary span of the arena, never after the release. The TCP
+    server checks it per span; NIXL cannot (UCX memory keys; README, Security)."""
+    if pool.backend != "tcp":
+        pytest.skip("NIXL's UCX memory keys cannot be checked per span (README, Security)")
+    client = pool.client("a")
+    keys = keys_for(2, "granted")
+    write_blocks(pool, writer, keys, [61, 62])
+    other = keys_for(1, "not-leased")
+    write_blocks(pool, writer, other, [63])
+    region = ray.get(reader.region_id.remote(), timeout=30)
+    rep = client.lease(keys, FP, 30.0)
+    other_rep = client.lease(other, FP, 30.0)
+    assert len(rep.lease.blocks) == 2 and len(other_rep.lease.blocks) == 1 and rep.lease.grant
+
+    def read(spans: list[tuple[int, int]], grants: list[bytes]) -> Any:
+        ops = [(rep.region_id, off, region, i * SLOT, n) for i, (off, n) in enumerate(spans)]
+        return decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S, grants), timeout=60))
+
+    leased = [(b.offset, b.length) for b in rep.lease.blocks]
+    assert read(leased, [rep.lease.grant]).all_ok
+    assert ray.get(reader.get.remote(SLOT, SLOT), timeout=30) == payload(62)
+    # half of a leased slot and half of its neighbour (whichever neighbour lies inside the arena)
+    across = leased[0][0] + SLOT // 2 if leased[0][0] + 2 * SLOT <= DRAM_SLOTS * SLOT else leased[0][0] - SLOT // 2
+    refused = {
+        "no grant": read(leased, []),
+        "a forged grant": read(leased, [b"\0" * 16]),
+        "a slot of another lease": read([(other_rep.lease.blocks[0].offset, SLOT)], [rep.lease.grant]),
+        "a span across two slots": read([(across, SLOT)], [rep.lease.grant]),
+    }
+    for why, res in refused.items():
+        assert not res.ok and "not granted" in res.error, (why, res)
+    # A lease does not grant writing: a peer holding one cannot change the blocks every tenant loads.
+    ray.get(writer.fill.remote(0, payload(99)), timeout=60)
+    wregion = ray.get(writer.region_id.remote(), timeout=30)
+    poison = [(rep.region_id, leased[0][0], wregion, 0, SLOT)]
+    res = decode_result(ray.get(writer.write.remote(rep.agent_name, poison, DEADLINE_S, [rep.lease.grant]), timeout=60))
+    assert not res.ok and "not granted" in res.error, res
+    assert client.release(rep.lease.lease_id) and client.release(other_rep.lease.lease_id)
+    assert "not granted" in read(leased, [rep.lease.grant]).error  # the grant died with its lease
+    again, data = fetch(pool, reader, "a", keys)
+    assert data == [payload(61), payload(62)]  # unchanged
+    assert client.release(again.lease.lease_id)
+    # A reservation grants its own slots only, for writing.
+    res_rep = client.reserve(1)
+    mine = [(res_rep.region_id, res_rep.reservation.offsets[0], wregion, 0, SLOT)]
+    granted = [res_rep.reservation.grant]
+    assert decode_result(ray.get(writer.write.remote(rep.agent_name, mine, DEADLINE_S, granted), timeout=60)).all_ok
+    res = decode_result(ray.get(writer.write.remote(rep.agent_name, poison, DEADLINE_S, granted), timeout=60))
+    assert not res.ok and "not granted" in res.error, res
+    assert client.abort(res_rep.reservation.reservation_id)
+    assert 'op="tcp_write"' in client.metrics_text() and 'op="tcp_read"' in client.metrics_text()
 
 
 def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> None:
@@ -314,7 +400,8 @@ def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> N
     assert after["demotions"] > before["demotions"] and after["evictions_ssd"] > before["evictions_ssd"]
     region = ray.get(reader.region_id.remote(), timeout=30)
     ops = [(rep.region_id, b.offset, region, i * SLOT, b.length) for i, b in enumerate(rep.lease.blocks)]
-    assert decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60)).all_ok
+    assert decode_result(ray.get(reader.read.remote(rep.agent_name, ops, DEADLINE_S, [rep.lease.grant]),
+                                 timeout=60)).all_ok
     got = [ray.get(reader.get.remote(i * SLOT, SLOT), timeout=30) for i in range(3)]
     assert got == [payload(s) for s in (10, 11, 12)]
     assert client.release(rep.lease.lease_id)
@@ -407,11 +494,12 @@ def test_shard_killed_mid_transfer_fails_blocks_within_deadline(
     rep = client.reserve(32)  # reserved slots are readable memory; enough for a transfer in flight
     region = ray.get(reader_big.region_id.remote(), timeout=30)
     ops = [(rep.region_id, off, region, i * big, big) for i, off in enumerate(rep.reservation.offsets)]
-    warm = decode_result(ray.get(reader_big.read.remote(rep.agent_name, ops, DEADLINE_S), timeout=60))
+    grants = [rep.reservation.grant]
+    warm = decode_result(ray.get(reader_big.read.remote(rep.agent_name, ops, DEADLINE_S, grants), timeout=60))
     assert warm.all_ok, warm
 
     progress = tmp_path / "reads-done"
-    ref = reader_big.read_until_failure.remote(rep.agent_name, ops, DEADLINE_S, 60.0, str(progress))
+    ref = reader_big.read_until_failure.remote(rep.agent_name, ops, DEADLINE_S, 60.0, str(progress), grants)
     deadline = time.monotonic() + 60.0
     while not (progress.exists() and progress.read_text()):  # reads are running once the first one is done
         assert time.monotonic() < deadline, "the reader's read loop did not complete a read within 60 s"

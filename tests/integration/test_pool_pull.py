@@ -87,10 +87,10 @@ class Shards:
         for i, s in enumerate(seeds):
             self.buf[i * slot : (i + 1) * slot] = np.frombuffer(payload(s, slot), dtype=np.uint8)
         ops = [BlockOp(rep.region_id, off, self.region, i * slot, slot) for i, off in enumerate(offsets)]
-        res = self.ep.write(rep.agent_name, ops, DEADLINE_S)
+        res = self.ep.write(rep.agent_name, ops, DEADLINE_S, [rep.reservation.grant])
         assert res.all_ok, res
         out = client.commit(rep.reservation.reservation_id, keys, [block_checksum(payload(s, slot)) for s in seeds],
-                            FP)
+                            FP, epoch=rep.epoch)
         assert out.committed == list(range(len(keys))), out
 
     def read_back(self, node: str, keys: list[bytes]) -> list[bytes]:
@@ -101,7 +101,7 @@ class Shards:
         try:
             ops = [BlockOp(rep.region_id, b.offset, self.region, i * SLOT, b.length) for i, b in enumerate(blocks)]
             if ops:
-                res = self.ep.read(rep.agent_name, ops, DEADLINE_S)
+                res = self.ep.read(rep.agent_name, ops, DEADLINE_S, [rep.lease.grant])
                 assert res.all_ok, res
             data = [self.buf[i * SLOT : (i + 1) * SLOT].tobytes() for i in range(len(blocks))]
             assert [block_checksum(d) for d in data] == [b.checksum for b in blocks]

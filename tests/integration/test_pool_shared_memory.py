@@ -56,7 +56,7 @@ class EngineLike:
         ops = [BlockOp(rep.region_id, off, self.region, i * SLOT, SLOT) for i, off in enumerate(offsets)]
         assert ep.write(rep.agent_name, ops, DEADLINE_S).all_ok
         sums = [slot_checksum([self.arr[i * SLOT:(i + 1) * SLOT]], SLOT) for i in range(len(keys))]
-        commit = client.commit(rep.reservation.reservation_id, keys, sums, FP)
+        commit = client.commit(rep.reservation.reservation_id, keys, sums, FP, epoch=rep.epoch)
         return ep.backend, list(commit.committed)
 
     def load(self, handle: Any, shard_id: str, keys: list[bytes], same_host: bool) -> tuple[str, bytes]:

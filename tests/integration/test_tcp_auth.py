@@ -117,3 +117,33 @@ def test_a_stale_target_is_refused_without_naming_the_server(server) -> None:
     res = ep.read("shard-x", [BlockOp(rid, 0, lid, 0, 64)], 5.0)
     assert res.ok == [] and "stale target" in res.error and meta.epoch not in res.error
     ep.close()
+
+
+def test_a_server_with_a_grant_check_serves_only_granted_spans() -> None:
+    """``grant_check`` (the pool shard's: its leases' and reservations' grants) sees each request's op, grants and
+    spans; a request it refuses moves no byte either way, and the connection stays usable."""
+    seen: list[tuple[str, list[bytes], list[tuple[int, int, int]]]] = []
+
+    def check(op: str, grants: list[bytes], spans: list[tuple[int, int, int]]) -> bool:
+        seen.append((op, list(grants), [tuple(s) for s in spans]))
+        return grants == [b"g" * 16] and all(off < 4096 for _, off, _ in spans)
+
+    srv = TcpEndpoint("shard-g", TcpOptions(), secret=SECRET, grant_check=check)
+    region = np.arange(SIZE, dtype=np.uint8)
+    rid = srv.register(memoryview(region))
+    ep, buf, lid = client(SECRET)
+    ep.add_peer(srv.metadata())
+    try:
+        refused = ep.read("shard-g", [BlockOp(rid, 0, lid, 0, 64)], 5.0)
+        assert refused.ok == [] and "not granted" in refused.error and not buf.any()
+        assert ep.read("shard-g", [BlockOp(rid, 8192, lid, 0, 64)], 5.0, [b"g" * 16]).ok == []
+        buf[:64] = 3
+        before = bytes(region)
+        assert ep.write("shard-g", [BlockOp(rid, 0, lid, 0, 64)], 5.0, [b"h" * 16]).ok == []
+        assert bytes(region) == before  # nothing landed
+        assert ep.read("shard-g", [BlockOp(rid, 64, lid, 0, 64)], 5.0, [b"g" * 16]).failed == []
+        assert bytes(buf[:64]) == bytes(region[64:128])
+        assert seen[-1] == ("read", [b"g" * 16], [(rid, 64, 64)]) and seen[2][0] == "write"
+    finally:
+        ep.close()
+        srv.close()

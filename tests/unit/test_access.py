@@ -164,3 +164,36 @@ async def test_unfinished_generation_requests_are_bounded_with_429(gate) -> None
         assert g.in_flight == 0 and g.rejected_busy == 1
         assert (await c.post("/v1/chat/completions")).status_code == 200  # room again
     assert g.in_flight == 0
+
+
+def test_a_tenant_budget_refills_at_its_rate_and_tells_how_long_to_wait() -> None:
+    from router.tenant_budget import TenantBudget
+
+    now = [0.0]
+    b = TenantBudget(600, clock=lambda: now[0])  # 10 tokens a second, 600 at most
+    assert b.retry_after("a") is None
+    b.charge("a", 650)  # a request is admitted on what was used before it: it may leave a debt
+    assert b.balance("a") == pytest.approx(-50)
+    assert b.retry_after("a") == 6  # (1 - (-50)) / 10 = 5.1 -> 6 s
+    assert b.retry_after("b") is None  # tenants are apart
+    now[0] = 5.0
+    assert b.retry_after("a") == 1 and b.refused == 2
+    now[0] = 5.2
+    assert b.retry_after("a") is None
+    now[0] = 1000.0
+    assert b.balance("a") == pytest.approx(600)  # never above one minute's worth
+    with pytest.raises(ValueError):
+        TenantBudget(0)
+
+
+@pytest.mark.anyio
+async def test_a_tenant_past_its_tokens_per_minute_gets_429_and_the_others_do_not(gate) -> None:
+    g = gate(AccessSettings(tenant_tokens_per_minute=120), {"KVSTACK_API_KEYS": "ka=alpha,kb=beta"})
+    async with client(make_app()) as c:
+        assert (await c.post("/v1/chat/completions", headers=bearer("ka"))).status_code == 200
+        g.charge("alpha", 500)  # what the engine client charges when alpha's request ends
+        limited = await c.post("/v1/chat/completions", headers=bearer("ka"))
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+        assert int(limited.headers["retry-after"]) >= 190  # (1 + 380) / 2 tokens a second
+        assert (await c.get("/v1/models", headers=bearer("ka"))).status_code == 200  # only generation is limited
+        assert (await c.post("/v1/chat/completions", headers=bearer("kb"))).status_code == 200

@@ -176,7 +176,8 @@ def test_every_router_setting_from_the_app_config_reaches_the_router() -> None:
         if hasattr(got_value, "model_dump"):
             got_value = got_value.model_dump(exclude_defaults=True)
         assert got_value == value, name
-    access = {"api_keys_file": "/etc/kvstack/keys.yaml", "metrics_need_key": True, "max_queued_requests": 7}
+    access = {"api_keys_file": "/etc/kvstack/keys.yaml", "metrics_need_key": True, "max_queued_requests": 7,
+              "tenant_tokens_per_minute": 9000}
     args["ingress"] = {**args.get("ingress", {}), **access}
     assert ingress_settings(AppConfig.model_validate(args)).access.model_dump() == access
 

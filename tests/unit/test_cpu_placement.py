@@ -134,6 +134,23 @@ def test_vllm_binding_settings() -> None:
     assert engine_arguments(p, gpu=False) == {}
 
 
+def test_a_parallel_engine_binds_each_rank_to_its_share_of_the_cores() -> None:
+    """A TP=2 engine on CPU: one core list per worker process; cores that do not split are refused with the
+    setting to change (the engine would fail later on vLLM's assertion); on GPUs they only host threads, so an
+    uneven split leaves vLLM's NUMA binding off instead of refusing."""
+    from deployments.cpu_placement import engine_binding
+
+    p = ReplicaPlacement(cores=[2, 3], threads=2, binding="exclusive")
+    env, args = engine_binding(p, gpu=False, ranks=2)
+    assert env == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "2|3", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert args == {}
+    assert engine_binding(p, gpu=False) == (engine_environment(p, gpu=False), {})
+    one = ReplicaPlacement(cores=[0], threads=1, binding="exclusive")
+    with pytest.raises(PlacementError, match="app.replicas.threads"):
+        engine_binding(one, gpu=False, ranks=2)
+    assert engine_binding(one, gpu=True, ranks=2) == ({"OMP_NUM_THREADS": "1"}, {})
+
+
 def test_replicas_carry_the_thread_count() -> None:
     base = {"engine": {"model": "/m", "served_model_name": "m"}, "router": {"model_spec": "tiny-qwen3",
             "gpu_profile": "cpu-2core"}, "pool": {"dram_bytes": 2**28}}

@@ -52,6 +52,24 @@ def test_a_dense_model_of_a_new_shape_gets_its_own_spec(odd_dense: Path) -> None
     assert pool_slot_bytes_from_model(str(odd_dense), 128) == pool_slot_bytes(spec, 128) == 2 * 3 * 64 * 6 * 2 * 128
 
 
+def test_the_pool_slot_and_the_ledger_follow_the_engines_kv_element_type(odd_dense: Path) -> None:
+    """A float32 engine's blocks are twice a bfloat16 one's, an fp8 KV cache's half: the slots the pool is sized
+    with and the blocks the HBM ledger counts follow ``app.engine.dtype`` and ``kv_cache_dtype`` (the slots were
+    bfloat16-sized whatever the engine, and the connector refused the pool of a float32 engine)."""
+    from deployments.engine_settings import EngineSettings
+    from deployments.pool_setup import block_slot_bytes
+
+    bf16 = 2 * 3 * 64 * 6 * 2
+    assert kv_bytes_per_token_from_model(str(odd_dense), "float32") == 2 * bf16
+    assert kv_bytes_per_token_from_model(str(odd_dense), "auto") == bf16  # the config's torch_dtype
+    assert pool_slot_bytes_from_model(str(odd_dense), 128, "float32", "fp8") == bf16 // 2 * 128
+    f32 = EngineSettings(model=str(odd_dense), dtype="float32", kv_cache_memory_bytes=64 * 2 * bf16 * 128)
+    assert f32.kv_dtypes() == ("float32", None)
+    assert block_slot_bytes(f32) == 2 * bf16 * 128
+    assert f32.hbm_capacity_blocks() == 64
+    assert block_slot_bytes(EngineSettings(model=str(odd_dense))) == bf16 * 128
+
+
 def test_a_hybrid_counts_its_linear_layers_and_only_the_routed_experts(hybrid: Path) -> None:
     spec = model_spec(str(hybrid))
     assert (spec.full_attention_layers, spec.linear_attention_layers) == (1, 3)

@@ -59,6 +59,63 @@ NO_KUBECTL = "kubectl not installed: the kustomizations are rendered with `kubec
 needs_kubectl = pytest.mark.skipif(manifest_check.kubectl() is None, reason=NO_KUBECTL)
 
 
+@pytest.mark.parametrize("rel", ["base", "overlays/local-kind", "overlays/gpu"])
+def test_ray_token_auth_is_on_and_every_ray_pod_gets_the_secrets_from_kubernetes_secrets(rel: str) -> None:
+    """Issue 16: Ray's token authentication on; the pool's cluster secret (required) and the API / admin keys
+    (optional) on every Ray pod from Secrets, never as a literal value (the dashboard shows pod specs' values)."""
+    cluster = ray_service(rel)["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"]["mode"] == "token"
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        (ray_container,) = [c for c in template["spec"]["containers"] if c["name"].startswith("ray-")]
+        env = {e["name"]: e for e in ray_container["env"]}
+        for name, optional in (("KVSTACK_POOL_SECRET", False), ("KVSTACK_API_KEYS", True),
+                               ("KVSTACK_ADMIN_KEY", True)):
+            assert "value" not in env[name], name
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert bool(ref.get("optional", False)) is optional, name
+    assert "KVSTACK_POOL_SECRET" not in ray_service(rel)["spec"]["serveConfigV2"]
+
+
+RAY_TLS_ENV = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": "/etc/ray/tls/tls.crt",
+               "RAY_TLS_SERVER_KEY": "/etc/ray/tls/tls.key", "RAY_TLS_CA_CERT": "/etc/ray/tls/ca.crt"}
+
+
+@pytest.mark.parametrize("rel", ["base", "overlays/local-kind", "overlays/gpu"])
+def test_every_ray_process_speaks_mutual_tls_with_its_pods_own_certificate(rel: str) -> None:
+    """Issue 16: Ray's traffic (the pool's call proofs travel in it) encrypted and only between holders of a
+    certificate from the cluster's CA: on every Ray container and the autoscaler Ray's TLS settings; each pod's
+    first init container makes the pod's certificate with the script the ConfigMap carries — the very file
+    ``tests/integration/test_ray_access.py`` runs against a real Ray cluster — from the CA Secret, into the memory
+    volume the Ray container mounts read-only."""
+    resources = rendered(rel)
+    (script,) = [r for r in resources if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "kvstack-ray-tls"]
+    assert script["data"]["make-cert.sh"] == (K8S / "base/ray-tls/make-cert.sh").read_text()
+    cluster = ray_service(rel)["spec"]["rayClusterConfig"]
+    auto = cluster["autoscalerOptions"]
+    assert {e["name"]: e["value"] for e in auto["env"]} == RAY_TLS_ENV
+    assert auto["volumeMounts"] == [{"name": "ray-tls", "mountPath": "/etc/ray/tls", "readOnly": True}]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["ray-ca"]["secret"]["secretName"] == "kvstack-ray-ca"
+        assert volumes["ray-tls-script"]["configMap"]["name"] == "kvstack-ray-tls"
+        assert volumes["ray-tls"]["emptyDir"]["medium"] == "Memory"
+        init = spec["initContainers"][0]  # before any other init container: they may start Ray clients
+        assert init["name"] == "ray-tls-cert" and init["command"] == ["sh", "/etc/kvstack/ray-tls/make-cert.sh"]
+        env = {e["name"]: e for e in init["env"]}
+        assert env["RAY_TLS_DIR"]["value"] == "/etc/ray/tls"
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        mounts = {m["name"]: m for m in init["volumeMounts"]}
+        assert mounts["ray-ca"]["mountPath"] == env["RAY_TLS_CA_DIR"]["value"] and mounts["ray-ca"]["readOnly"]
+        assert not mounts["ray-tls"].get("readOnly")
+        (ray_container,) = [c for c in spec["containers"] if c["name"].startswith("ray-")]
+        assert {e["name"]: e.get("value") for e in ray_container["env"] if e["name"] in RAY_TLS_ENV} == RAY_TLS_ENV
+        assert {"name": "ray-tls", "mountPath": "/etc/ray/tls", "readOnly": True} in ray_container["volumeMounts"]
+        assert not any(m["name"] == "ray-ca" for m in ray_container["volumeMounts"])  # the CA key stays out of it
+
+
 @functools.cache
 def _rendered(rel: str) -> tuple[dict[str, Any], ...]:
     return tuple(manifest_check.render(K8S / rel))
@@ -106,9 +163,9 @@ def test_parse_tree_reports_broken_yaml_and_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("rel", "kinds"),
     [
-        ("base", ["PersistentVolumeClaim", "RayService"]),
-        ("overlays/local-kind", ["RayService"]),
-        ("overlays/gpu", ["PersistentVolumeClaim", "RayService"]),
+        ("base", ["ConfigMap", "PersistentVolumeClaim", "RayService"]),
+        ("overlays/local-kind", ["ConfigMap", "RayService"]),
+        ("overlays/gpu", ["ConfigMap", "PersistentVolumeClaim", "RayService"]),
         ("monitoring", ["ConfigMap", "PodMonitor"]),
     ],
 )

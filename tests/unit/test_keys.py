@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvpool.keys as keys_mod
-from kvpool.keys import KEY_BYTES, BlockKey, Namespace, block_keys, chain_keys
+from kvpool.keys import KEY_BYTES, BlockKey, Namespace, block_keys, chain_keys, request_salt
 
 TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=0, max_size=200)
 BLOCK = st.integers(min_value=1, max_value=16)
@@ -72,6 +72,23 @@ def test_chain_resumes_from_any_block(tokens: list[int], bs: int, ns: Namespace,
     i = data.draw(st.integers(0, len(keys) - 1))
     assert chain_keys(keys[i], tokens[(i + 1) * bs :], bs) == keys[i + 1 :]
     assert chain_keys(ns.root(), tokens, bs, limit=i) == keys[:i]
+
+
+def test_a_requests_salt_is_its_tenants_and_its_own() -> None:
+    """Untenanted, unsalted requests keep the engine's salt (their keys do not change); a tenant or a salt of the
+    request's own gives a salt no other (engine salt, tenant, client salt) triple gives, in a form vLLM accepts."""
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    assert request_salt() == "" and request_salt("eng") == "eng" and request_salt("eng", "", None) == "eng"
+    triples = [("", "a", None), ("", "b", None), ("", "a", "x"), ("", "", "x"), ("e", "a", None), ("", "ab", "c"),
+               ("", "a", "bc"), ("a", "", "")]
+    salts = [request_salt(*t) for t in triples]
+    assert len(set(salts)) == len(salts)
+    assert salts[-1] == "a"  # ("a", "", ""): the engine salt alone
+    for salt in salts[:-1]:
+        validate_cache_salt(salt)
+        assert salt.startswith("kvs1-") and "a" != salt
+    assert request_salt("", "a", None) == request_salt("", "a", None)  # stable: every process computes the same
 
 
 def test_numpy_and_list_inputs_agree() -> None:

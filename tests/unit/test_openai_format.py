@@ -145,7 +145,6 @@ def test_wrong_typed_fields_are_400_never_a_crash(chat_cls: type, completion_cls
 # -- what kvstack cannot honour ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("extra", "param"), [
     ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
-    ({"cache_salt": "tenant-a"}, "cache_salt"),
     ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_fields_kvstack_cannot_honour_are_refused_by_name(chat_cls: type, extra: dict[str, Any], param: str) -> None:
@@ -165,6 +164,15 @@ def test_agent_framework_fields_and_nulls_are_accepted(chat_cls: type, completio
         "kv_transfer_params": None, "user": "alice"}))
     fmt.refuse_unhonoured(fmt.validate(completion_cls, {"model": "m", "prompt": ["a", "b"], "echo": True,
                                                         "logit_bias": None, "suffix": None}))
+
+
+def test_cache_salt_is_accepted_as_vllm_accepts_it(chat_cls: type) -> None:
+    """A request's own cache_salt is honoured (folded into its block keys, ``kvpool.keys.request_salt``); vLLM's
+    validator refuses an empty one with a 400 naming it."""
+    fmt.refuse_unhonoured(fmt.validate(chat_cls, {"model": "m", "messages": USER, "cache_salt": "tenant-a"}))
+    with pytest.raises(fmt.ApiError) as err:
+        fmt.validate(chat_cls, {"model": "m", "messages": USER, "cache_salt": ""})
+    assert err.value.status == 400 and err.value.param == "cache_salt"
 
 
 # -- vLLM's errors ------------------------------------------------------------------------------------------------

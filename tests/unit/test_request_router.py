@@ -1,6 +1,6 @@
 """deployments.request_router: the target read from a real Serve ``PendingRequest``, the load read from routing
 stats, and ``DecisionRequestRouter.choose_replicas``'s ranking (chosen replica first, the rest least-loaded behind
-it; least-loaded when the target is gone or absent). The router body needs no Serve state, so it is called unbound
+it; least-loaded when a generate request's target is gone or absent; a control call waits for its target). The router body needs no Serve state, so it is called unbound
 on ``FakeRunningReplica``s (tests/fakes/serve.py: real ``RunningReplica``s without a live actor, so a router that
 tried to reach a replica would fail)."""
 
@@ -13,8 +13,8 @@ import pytest
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.request_router import DecisionRequestRouter, _load, _target_of
-from router.wire import GenerateRequest
+from deployments.request_router import DecisionRequestRouter, _load, _request_of
+from router.wire import ControlRequest, GenerateRequest
 from tests.fakes.serve import FakeRunningReplica
 
 
@@ -37,14 +37,20 @@ def choose(replicas: list[FakeRunningReplica], req: PendingRequest | None) -> li
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
 
-def test_target_of_reads_the_generate_request() -> None:
-    assert _target_of(None) is None
-    assert _target_of(pending(greq("abc"))) == "abc"
-    assert _target_of(pending(request=greq("kw"))) == "kw"
-    assert _target_of(pending("other", 3, greq("later"))) == "later"
-    assert _target_of(pending(greq(None))) is None
-    assert _target_of(pending("no", "request")) is None
-    assert _target_of(pending()) is None
+def target_of(pending_request: PendingRequest | None) -> str | None:
+    request = _request_of(pending_request)
+    return request.target_replica if request is not None else None
+
+
+def test_the_request_is_read_from_the_pending_call() -> None:
+    assert target_of(None) is None
+    assert target_of(pending(greq("abc"))) == "abc"
+    assert target_of(pending(request=greq("kw"))) == "kw"
+    assert target_of(pending("other", 3, greq("later"))) == "later"
+    assert target_of(pending(greq(None))) is None
+    assert target_of(pending("no", "request")) is None
+    assert target_of(pending()) is None
+    assert isinstance(_request_of(pending(ControlRequest(target_replica="c", op="info"))), ControlRequest)
 
 
 def test_load_is_running_plus_waiting() -> None:
@@ -69,7 +75,15 @@ def test_target_gone_falls_back_to_least_loaded() -> None:
     assert choose(reps, pending(greq("dead"))) == [["b", "c", "a"]]
 
 
-def test_no_target_or_control_call_is_least_loaded() -> None:
+def test_a_control_call_goes_to_its_target_or_waits_for_it() -> None:
+    """An operator call is for one replica: while Serve's candidates lack it (a replacement the routers already
+    know), nothing is offered, so Serve backs off and asks again instead of delivering it to another replica."""
+    reps = [FakeRunningReplica("a", running=3), FakeRunningReplica("b")]
+    assert choose(reps, pending(ControlRequest(target_replica="a", op="reset_prefix_cache"))) == [["a"]]
+    assert choose(reps, pending(ControlRequest(target_replica="new", op="reset_prefix_cache"))) == []
+
+
+def test_no_target_is_least_loaded() -> None:
     reps = [FakeRunningReplica("a", running=3), FakeRunningReplica("b")]
     assert choose(reps, pending(greq(None))) == [["b", "a"]]
     assert choose(reps, None) == [["b", "a"]]

@@ -119,6 +119,22 @@ class Blocks:
         return (self.ids,)
 
 
+def first_answer(side: SchedulerSide, req: Any) -> tuple[int | None, bool]:
+    """A new request's lookup, waited for: the scheduler's answer to vLLM's first real ask."""
+    side.on_new_request(req)
+    until(lambda: side.get_num_new_matched_tokens(req, 0) != (None, False))
+    return side.get_num_new_matched_tokens(req, 0)
+
+
+def leased_load(side: SchedulerSide, req: Any, allocated: int, external_tokens: int) -> Any:
+    """vLLM allocated ``allocated`` blocks for ``external_tokens`` pool tokens: the lease, waited for, and the
+    ``LoadSpec`` the next step hands the workers."""
+    side.update_state_after_alloc(req, Blocks(allocated), external_tokens)
+    until(lambda: side._leasing[req.request_id].future.done())
+    (spec,) = step(side).loads
+    return spec
+
+
 def test_a_frozen_lookup_answers_not_yet_at_once_then_the_hit() -> None:
     side, fake = make_side(held=6)
     fake.lookup_gate.clear()  # the shard is frozen
@@ -311,14 +327,85 @@ def test_loaded_tokens_count_only_what_the_load_supplied(failed: bool, invalid: 
 
     side, _ = make_side(held=6)
     req = request("a")
-    side.on_new_request(req)
-    until(lambda: side.get_num_new_matched_tokens(req, 0) != (None, False))
-    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
-    side.update_state_after_alloc(req, Blocks(8), 6 * BS)
-    until(lambda: side._leasing["a"].future.done())
-    (spec,) = step(side).loads
+    assert first_answer(side, req) == (6 * BS, True)
+    spec = leased_load(side, req, 8, 6 * BS)
     assert len(spec.blocks) == 6
     side.load_outcomes({"a"}, {"a"} if failed else set(), invalid)
     _, params = side.request_finished(req)
     timing = from_params(params)
     assert timing is not None and timing.loaded_tokens == loaded * BS
+
+
+class KeyedShards(FakeShards):
+    """One shard "s1" holding exactly the keys in ``held_keys``: lookups and leases take the longest held prefix
+    of the keys asked for, as the store does (``kvpool.store``); each leased slot's offset names its key."""
+
+    def __init__(self) -> None:
+        super().__init__(held=0)
+        self.held_keys: set[bytes] = set()
+        self.slot_of: dict[bytes, int] = {}
+        self.leased: list[list[bytes]] = []
+
+    def prefix(self, keys: list[bytes]) -> int:
+        return next((i for i, k in enumerate(keys) if bytes(k) not in self.held_keys), len(keys))
+
+    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float) -> list[Any]:
+        return [LookupResult(self.prefix(keys), self.prefix(keys), 0) for _, keys in calls]
+
+    def client(self, shard_id: str) -> Any:
+        shards = self
+
+        class Client(FakeClient):
+            def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+                held = [bytes(k) for k in keys[: shards.prefix(keys)]]
+                shards.leased.append(held)
+                blocks = [LeasedBlock(k, shards.slot_of.setdefault(k, 4096 * len(shards.slot_of)), 4096, 1,
+                                      Tier.DRAM) for k in held]
+                return LeaseReply("s1", "e1", "agent-s1", 0, Lease(7, blocks, 0.0, ttl_s, b"g" * 16))
+
+        return Client(self)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_tensor_parallel_engine_finds_leases_and_loads_only_blocks_every_rank_holds(world: int) -> None:
+    """A TP engine asks for every rank's key of each block (block-major): the shard holds all ranks of blocks 0-3
+    and only rank 0 of blocks 4-5 (the router's keys would say 6), so the hit is 4 blocks; the one lease pins
+    every rank's slots, and rank r's slots in the ``LoadSpec`` are those of its own keys."""
+    from kvpool.keys import rank_key
+
+    side, _ = make_side()
+    side.tp_world = world
+    fake = KeyedShards()
+    side.shards = fake  # type: ignore[assignment]
+    req = request("a")
+    keys = side._keys(side._track(req))
+    fake.held_keys = {bytes(rank_key(k, r, world)) for k in keys[:4] for r in range(world)}
+    fake.held_keys |= {bytes(k) for k in keys[4:6]}
+    assert first_answer(side, req) == (4 * BS, True)
+    spec = leased_load(side, req, 9, 4 * BS)
+    assert spec.world == world and len(spec.blocks) == 4 * world and spec.states == []
+    assert fake.leased == [[bytes(rank_key(k, r, world)) for k in keys[:4] for r in range(world)]]
+    for rank in range(world):
+        mine = spec.blocks[rank::world]
+        assert [b.block_ids[0] for b in mine] == list(range(100, 104))
+        assert [b.remote.offset for b in mine] == [fake.slot_of[bytes(rank_key(k, rank, world))] for k in keys[:4]]
+    assert side.stats.hit_tokens == 4 * BS and side.stats.blocks_to_load == 4
+
+
+def test_a_short_tensor_parallel_lease_leaves_the_missing_ranks_slots_unleased() -> None:
+    """Rank 1's copy of block 2 was evicted between lookup and lease: rank 0 still has a slot for block 2, rank 1
+    none (its load error makes vLLM recompute from block 2); the request counts 2 loadable blocks."""
+    from kvpool.keys import rank_key
+
+    side, _ = make_side()
+    side.tp_world = 2
+    fake = KeyedShards()
+    side.shards = fake  # type: ignore[assignment]
+    req = request("a")
+    keys = side._keys(side._track(req))
+    fake.held_keys = {bytes(rank_key(k, r, 2)) for k in keys[:3] for r in range(2)}
+    assert first_answer(side, req) == (3 * BS, True)
+    fake.held_keys.discard(bytes(rank_key(keys[2], 1, 2)))
+    spec = leased_load(side, req, 9, 3 * BS)
+    assert [b.remote is not None for b in spec.blocks] == [True, True, True, True, True, False]
+    assert side.stats.leases_short == 1 and side._reqs["a"].loading == [100, 101]

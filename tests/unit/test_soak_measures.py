@@ -47,3 +47,43 @@ def test_rss_change_lists_every_process_and_the_largest_growth() -> None:
     assert r["processes"][1]["rss_end_mib"] is None and r["processes"][2]["rss_start_mib"] is None
     assert (r["total_start_mib"], r["total_end_mib"], r["max_growth_mib"]) == (600.0, 610.0, 60.0)
     assert (r["gone"], r["new"]) == (1, 1)
+
+
+def test_rss_trend_tells_a_plateau_from_a_leak() -> None:
+    """A process that fills up early and flattens (KV pages, an arena) is not flagged; one that keeps growing in the
+    run's second half is; a process that was not there in every sample is left out."""
+    from bench.soak import rss_trend
+
+    def at(t: float, plateau: float, leak: float, extra: bool = False) -> tuple[float, dict]:
+        procs = {1: {"label": "ray::PoolShard", "rss_mib": plateau}, 2: {"label": "VLLM::Worker", "rss_mib": leak}}
+        if extra:
+            procs[3] = {"label": "ray::IDLE", "rss_mib": 50.0}
+        return t, procs
+
+    samples = [at(0, 100, 500), at(30, 400, 560, extra=True), at(60, 410, 620), at(90, 410, 680), at(120, 411, 740)]
+    trend = rss_trend(samples)
+    assert [s["total_mib"] for s in trend["series"]] == [600.0, 1010.0, 1030.0, 1090.0, 1151.0]
+    rows = {r["pid"]: r for r in trend["processes"]}
+    assert set(rows) == {1, 2}  # pid 3 came and went
+    assert rows[1]["first_half_mib"] == 310.0 and rows[1]["second_half_mib"] == 1.0  # the middle: t = 60
+    assert rows[2]["first_half_mib"] == 120.0 and rows[2]["second_half_mib"] == 120.0
+    assert [r["pid"] for r in trend["growing"]] == [2]
+    assert rss_trend([]) == {"series": [], "processes": [], "growing": []}
+
+
+def test_the_rss_sampler_samples_on_its_own_thread_until_stopped() -> None:
+    import time
+
+    from bench.soak import RssSampler
+
+    calls: list[int] = []
+    sampler = RssSampler(7, 0.05, measure=lambda pid: calls.append(pid) or {pid: {"label": "x", "rss_mib": 1.0}})
+    sampler.start()
+    time.sleep(0.3)
+    samples = sampler.stop()
+    n = len(samples)
+    assert n >= 3 and set(calls) == {7} and samples[0][0] <= samples[-1][0]
+    time.sleep(0.15)
+    assert len(sampler.samples) == n  # stopped: no sample after stop()'s own
+    with pytest.raises(ValueError):
+        RssSampler(7, 0.0)

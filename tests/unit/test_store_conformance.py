@@ -405,3 +405,42 @@ def test_each_model_has_its_own_accounting(make_store) -> None:
     assert counts()[fb][0] == "beta" and counts()[fb][1] == 4
     if fa not in counts():  # every alpha block evicted: its series is gone too
         assert f'layout="{fa}"' not in generate_latest(store.metrics.registry).decode()
+
+
+def test_grants_cover_exactly_what_their_lease_or_reservation_holds(make_store, tier: TierPlacement, clock) -> None:
+    """Module doc, "Grants": a lease's grant covers its blocks' slots for reading (an SSD block: the DRAM slot it
+    was promoted to), a reservation's its slots for reading and writing; nothing else, not across a slot's end, and
+    nothing once the lease or reservation is gone (release, expiry, commit, abort)."""
+    store = make_store()
+    keys, others = keys_for(2, "granted"), keys_for(1, "other")
+    tier.place(store, keys, [1, 2])
+    tier.place(store, others, [3])
+    lease = store.lease(keys, FP, 30.0)
+    other = store.lease(others, FP, 30.0)
+    assert len(lease.blocks) == 2 and len(lease.grant) == 16 and lease.grant != other.grant
+    spans = [(b.offset, b.length) for b in lease.blocks]
+    assert store.granted([lease.grant], spans, write=False)
+    assert store.granted([lease.grant], [(spans[1][0] + 100, 50)], write=False)  # a piece of a slot
+    assert store.granted([other.grant, lease.grant], spans + [(other.blocks[0].offset, SLOT)], write=False)
+    assert not store.granted([lease.grant], spans, write=True)  # a lease never grants writing
+    assert not store.granted([], spans, write=False)
+    assert not store.granted([b"\0" * 16], spans, write=False)
+    assert not store.granted([lease.grant], [(other.blocks[0].offset, SLOT)], write=False)
+    assert not store.granted([lease.grant], [(spans[0][0] + 1, SLOT)], write=False)  # across the slot's end
+    assert not store.granted([lease.grant], [(spans[0][0], 0)], write=False)
+    assert store.release(lease.lease_id)
+    assert not store.granted([lease.grant], spans, write=False)
+    clock.advance(31.0)
+    store.sweep()
+    assert not store.granted([other.grant], [(other.blocks[0].offset, SLOT)], write=False)  # expired
+
+    res = store.reserve(2)
+    mine = [(off, SLOT) for off in res.offsets]
+    assert store.granted([res.grant], mine, write=True) and store.granted([res.grant], mine, write=False)
+    assert not store.granted([res.grant], spans, write=True)  # committed blocks are nobody's to write
+    for slot, seed in zip(res.slots, (5, 6), strict=True):
+        store.arena.view(slot)[:] = payload(seed)
+    store.commit(res.reservation_id, keys_for(2, "new"), [block_checksum(payload(s)) for s in (5, 6)], FP)
+    assert not store.granted([res.grant], mine, write=True)  # committed: the grant is gone
+    res = store.reserve(1)
+    assert store.abort(res.reservation_id) and not store.granted([res.grant], [(res.offsets[0], SLOT)], write=True)

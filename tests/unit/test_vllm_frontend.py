@@ -40,7 +40,8 @@ class View:
         self.decided: list[list[int]] = []
         self.done = 0
 
-    def decide(self, request_id: str, token_ids: list[int]) -> tuple[Routed, list[bytes]]:
+    def decide(self, request_id: str, token_ids: list[int], tenant: str = "", client_salt: str | None = None
+               ) -> tuple[Routed, list[bytes]]:
         self.decided.append(token_ids)
         return Routed(None, "r1", "recompute", None, request_id), []
 
