@@ -12,9 +12,10 @@ Who calls what:
   with them.
 - Once a request's first chunk is out, the pool blocks of the prefix the engine reused are touched in this node's shard
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
-- A request's fetch plan travels on to the connector as a hint (the shard to look up first); a HOLDER or RECOMPUTE
-  of a policy that plans the pool loads (``pool_planned``) tells it to load nothing (no lookup to wait for); a
-  ``split`` request first has its head computed and its tail staged on this node (``deployments.split_staging``).
+- A request's fetch plan travels on to the connector as a hint (the shard to look up first); with a policy that
+  plans the pool loads (``pool_planned``) a RECOMPUTE tells it to load nothing and a HOLDER the HBM prefix it
+  counted on (no lookup to wait for while vLLM's cache has it; ``connector_params``); a ``split`` request first has
+  its head computed and its tail staged on this node (``deployments.split_staging``).
 - Every request's first chunk carries its ``router.wire.ReplicaTimeline`` (the replica's preparation and vLLM's own
   queued / scheduled / first-token timestamps), its last chunk what its pool calls cost on vLLM's scheduler thread
   (``kvpool.connector.timing``, from the final output's ``kv_transfer_params``).
@@ -74,7 +75,6 @@ from router.wire import (
 log = logging.getLogger("kvstack.replica")
 
 SPLIT_STAGING_DEADLINE_S = 60.0  # computing a SPLIT's head and staging its tail on this node, at most
-NO_POOL_LOAD = ("holder", "recompute")  # with a policy that plans the pool loads, these load nothing from it
 
 
 class HbmPrefixLedger:
@@ -130,24 +130,33 @@ class HbmPrefixLedger:
         return list(self._keys)
 
 
-def engine_sampling_params(raw: bytes, kv_shard_hint: str | None = None, *, load_nothing: bool = False) -> Any:
-    """The engine's ``SamplingParams``: the ingress's (vLLM's own request conversion, ``router.wire``), streamed as
-    deltas whatever the client asked (the ingress merges them), with ``kv_shard_hint`` — the pool shard the kvpool
-    connector should look up first (the router's plan) — or ``load_nothing`` (the router planned no pool load: a
-    HOLDER or RECOMPUTE of a policy that prices the pool; the connector then does not look the request up, and
-    still saves its blocks) in the request's ``kv_transfer_params``."""
-    from vllm.sampling_params import RequestOutputKind
+def connector_params(request: GenerateRequest, kv_shard_hint: str | None) -> dict[str, Any] | None:
+    """What the kvpool connector is told of the router's decision (``kvpool.connector.scheduler``), as the
+    request's ``kv_transfer_params``. With a policy that plans the pool loads (``pool_planned``): a RECOMPUTE loads
+    nothing (no lookup to wait for; its blocks are still saved), a HOLDER names the HBM prefix it counted on (the
+    connector looks the pool up only if vLLM's cache supplies less: the router's view was out of date). Otherwise
+    ``kv_shard_hint``, the pool shard to look up first (the plan's), if any."""
+    from kvpool.connector.scheduler import HOLDER_PARAM, NO_LOAD_PARAM, PLAN_PARAM
 
-    from kvpool.connector.scheduler import NO_LOAD_PARAM, PLAN_PARAM
+    if request.pool_planned and request.action == "recompute":
+        return {NO_LOAD_PARAM: True}
+    if request.pool_planned and request.action == "holder":
+        return {HOLDER_PARAM: max(request.planned_reuse_tokens, 0)}
+    return {PLAN_PARAM: kv_shard_hint} if kv_shard_hint else None
+
+
+def engine_sampling_params(raw: bytes, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    """The engine's ``SamplingParams``: the ingress's (vLLM's own request conversion, ``router.wire``), streamed as
+    deltas whatever the client asked (the ingress merges them), with kvstack's own ``kv_transfer_params`` (what
+    ``connector_params`` tells the connector; a client's are refused at the ingress)."""
+    from vllm.sampling_params import RequestOutputKind
 
     params = decode_sampling_params(raw)
     params.output_kind = RequestOutputKind.DELTA
     extra = dict(params.extra_args or {})
-    extra.pop("kv_transfer_params", None)  # only kvstack's own (the ingress refuses clients' kv_transfer_params)
-    if load_nothing:
-        extra["kv_transfer_params"] = {NO_LOAD_PARAM: True}
-    elif kv_shard_hint:
-        extra["kv_transfer_params"] = {PLAN_PARAM: kv_shard_hint}
+    extra.pop("kv_transfer_params", None)
+    if kv_transfer_params:
+        extra["kv_transfer_params"] = kv_transfer_params
     params.extra_args = extra or None
     return params
 
@@ -334,8 +343,7 @@ class VLLMReplica:
 
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
-            params = engine_sampling_params(request.sampling_params, kv_shard_hint=hint,
-                                            load_nothing=request.pool_planned and request.action in NO_POOL_LOAD)
+            params = engine_sampling_params(request.sampling_params, connector_params(request, hint))
             prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
             async for out in self.engine.generate(prompt, params, request.request_id, priority=request.priority,
                                                   reasoning_ended=request.reasoning_ended,

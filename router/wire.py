@@ -92,7 +92,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     action: ActionName = "recompute"
     fetch_plan: FetchPlanMsg | None = None
     planned_reuse_tokens: int = 0  # prompt tokens the decision expects the engine not to compute (HBM + fetched)
-    pool_planned: bool = False  # the policy planned the pool loads: a holder / recompute loads nothing from the pool
+    # the policy planned the pool loads: a recompute loads nothing from the pool, a holder only what vLLM's cache
+    # lacks of its planned prefix (deployments.replica.connector_params)
+    pool_planned: bool = False
     # kvpool.keys.request_salt of the engine's salt, the tenant and the client's cache_salt: the salt block_keys
     # were computed under; the replica gives it to vLLM (its HBM prefix cache) and so to the pool connector
     cache_salt: str = ""

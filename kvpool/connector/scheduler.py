@@ -11,8 +11,12 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   skipped this step and asked again on the next). A finished lookup answers every later ask whose first block is at
   or after the looked-up one (vLLM's own cache may have grown); one older than ``LOOKUP_REFRESH_S`` is refreshed in
   the background while still answering. Nothing for a request flagged ``NO_LOAD_PARAM`` (the head of a SPLIT, which
-  the replica computes on purpose). Only full blocks of the prompt, keyed by chained block keys (``kvpool.keys``)
-  under ``Namespace(model_id, fingerprint, cache_salt)``. Hybrids: the hit ends at the furthest boundary where the
+  the replica computes on purpose; a RECOMPUTE the router priced). A HOLDER the router planned carries its HBM
+  prefix in tokens (``HOLDER_PARAM``): when vLLM's own cache supplies that much, nothing is looked up (no step
+  waits on the pool); when it supplies less — the router decided on a view of this engine's HBM that was out of
+  date — the rest is looked up in the pool like any request's (counted in ``holders_short``) instead of recomputed.
+  Only full blocks of the prompt, keyed by chained block keys (``kvpool.keys``) under ``Namespace(model_id,
+  fingerprint, cache_salt)``. Hybrids: the hit ends at the furthest boundary where the
   shard holds the full-attention blocks *and* the state snapshot (``state_key``). Loads are asynchronous in vLLM's
   terms (``load_kv_async=True``): the request waits in ``WAITING_FOR_REMOTE_KVS`` while its lease is taken and the
   worker pulls its blocks; the engine keeps stepping the others.
@@ -75,6 +79,7 @@ log = logging.getLogger(__name__)
 
 PLAN_PARAM = "kvpool_shard"  # optional kv_transfer_params hint from the router: the shard to fetch from
 NO_LOAD_PARAM = "kvpool_no_load"  # kv_transfer_params flag: compute this request, load nothing (a SPLIT's head)
+HOLDER_PARAM = "kvpool_holder_tokens"  # kv_transfer_params: the HBM prefix (tokens) a HOLDER decision counted on
 LOOKUP_REFRESH_S = 1.0  # a finished lookup older than this is refreshed (in the background) when asked again
 
 
@@ -142,6 +147,7 @@ class _Req:
     lease_s: float = 0.0
     loaded_tokens: int = 0  # tokens its loads supplied (counted once the worker reported the load)
     loading: list[int] | None = None  # a load handed to the worker: its leased blocks' ids (the first group)
+    holder_short: bool = False  # a HOLDER whose HBM prefix fell short of the plan (counted once)
 
 
 @dataclass
@@ -162,6 +168,7 @@ class SchedulerStats:
     states_to_save: int = 0
     preempted_releases: int = 0
     retries_refused: int = 0
+    holders_short: int = 0  # HOLDER requests whose HBM prefix fell short of the router's plan: looked up in the pool
     history: list[str] = field(default_factory=list)  # short event log for tests/debugging (bounded)
 
     def note(self, event: str) -> None:
@@ -227,9 +234,9 @@ class SchedulerSide:
     # ------------------------------------------------------------------ requests
     def on_new_request(self, request: Any) -> None:
         """Start the request's lookup now, from its first block: by the time vLLM first asks, it has mostly come
-        back."""
+        back. Not a planned HOLDER's: its prefix is in vLLM's cache, unless vLLM's first ask says otherwise."""
         r = self._track(request)
-        if self._wants_pool(request):
+        if self._wants_pool(request) and _holder_tokens(request) is None:
             limit = self._limit(request, r)
             if limit > 0:
                 self._submit_lookup(r, request, 0, limit)
@@ -272,6 +279,13 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         if limit <= start:
             return 0, False
+        held = _holder_tokens(request)
+        if held is not None:
+            if num_computed_tokens >= min(held, limit * bs):
+                return 0, False  # the HBM prefix the router counted on is there: nothing to look up
+            if not r.holder_short:
+                r.holder_short = True
+                self.stats.holders_short += 1
         self._harvest(r)
         end = r.found.answer(start, limit, self.plan.hybrid) if r.found is not None else None
         if end is None:
@@ -638,3 +652,10 @@ class SchedulerSide:
 def _failed_spec(req_id: str) -> LoadSpec:
     """A load the worker reports failed at once (nothing leased): vLLM recomputes the request."""
     return LoadSpec(req_id, "", "", "", -1, [], [], True)
+
+
+def _holder_tokens(request: Any) -> int | None:
+    """The HBM prefix (tokens) the router's HOLDER decision counted on (``HOLDER_PARAM``), or None."""
+    params = getattr(request, "kv_transfer_params", None)
+    held = params.get(HOLDER_PARAM) if isinstance(params, dict) else None
+    return held if isinstance(held, int) and not isinstance(held, bool) else None

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from cluster.local_cluster import free_port
-from tests.e2e.serve_run import get_status, hbm_blocks, pool_blocks, running_serve, wait_for_status
+from tests.e2e.serve_run import DTYPE, get_status, hbm_blocks, pool_blocks, running_serve, wait_for_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,12 +43,12 @@ def client(server):
 
 
 def app_config() -> Any:
-    """The app config ``kvstack serve`` derives from its default config (the replicas' engine settings, the
-    ingress's vLLM server options)."""
+    """The app config ``kvstack serve`` derives from its default config and ``running_serve``'s settings (the
+    replicas' engine settings, the ingress's vLLM server options)."""
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config
 
-    return load_serve_config(DEFAULT_CONFIG, {"app.engine.model": str(REPO / ".kvstack/models/tiny-qwen3")}
-                             ).app
+    return load_serve_config(DEFAULT_CONFIG, {"app.engine.model": str(REPO / ".kvstack/models/tiny-qwen3"),
+                                              "app.engine.dtype": DTYPE}).app
 
 
 def engine_settings() -> Any:
@@ -164,6 +164,40 @@ def test_prefix_fetched_from_the_pool_after_hbm_reset(server, client) -> None:
         tiers = httpx.get(server["base"][:-3] + "/kvstack/status", timeout=60).json()["tiers"]
         observed = sum(t["observed"] for t in tiers)
     assert observed >= 1, f"no pool fetch timing reached the router: {tiers}"
+
+
+def test_a_holder_decided_on_a_stale_view_still_reuses_the_prefix_from_the_pool(server, client) -> None:
+    """The routers see a replica's HBM through its reports (every 0.5 s): a request sent right after the replicas
+    dropped their HBM may still be decided HOLDER on the old view. Its connector then finds vLLM's cache short of
+    the prefix the HOLDER counted on and loads it from the pool (counted in ``holders_short``), instead of the full
+    recompute such a request got before. Whatever the routers decided, the prefix is reused and the tokens equal
+    the first answer's."""
+    system = "You answer in one word. " + " ".join(f"item {i} weighs {i * 5} grams." for i in range(120))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which item is lightest?"}]
+    saved_before = pool_blocks(get_status(server))
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6,
+                                                           temperature=0)
+    first, holder = raw.parse(), raw.headers["x-kvstack-replica"]
+    blocks = first.usage.prompt_tokens // engine_settings().block_size
+    wait_for_status(server, lambda st: pool_blocks(st) >= saved_before + blocks and hbm_blocks(st)[holder] >= blocks,
+                    answers=6, what=f"the {blocks}-block prompt saved in the pool and held in HBM")
+    reset = httpx.post(server["base"][:-3] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
+    assert all(r["ok"] for r in reset), reset
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6,
+                                                           temperature=0)  # at once: the view may be stale
+    again = raw.parse()
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= (blocks - 1) * 128, raw.headers["x-kvstack-action"]
+    if raw.headers["x-kvstack-action"] == "holder":  # the stale case: the connector saw it and fetched
+        from prometheus_client.parser import text_string_to_metric_families
+
+        deadline, short = time.monotonic() + 30, 0.0  # the engines' connector stats reach /metrics every few s
+        while short < 1 and time.monotonic() < deadline:
+            body = httpx.get(server["base"][:-3] + "/metrics", timeout=60).text
+            short = sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+                        if s.name == "vllm:kvpool_scheduler_holders_short_total")
+            time.sleep(1.0)
+        assert short >= 1
 
 
 _SPLIT_SCRIPT = """
@@ -492,7 +526,8 @@ def test_a_60_second_soak_leaves_no_lease_no_error_no_wrong_output(server, tmp_p
     configure(parser)
     args = parser.parse_args(["--duration-s", "60", "--in-flight", "8", "--spot-sessions", "2",
                               "--rss-interval-s", "10",
-                              "--serve-set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}"])
+                              "--serve-set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}",
+                              "--serve-set", f"app.engine.dtype={DTYPE}"])
     result = soak(server["base"], server["proc"].pid, args, tmp_path)
     assert result["requests"]["ok"] >= 20 and result["requests"]["errors"] == 0, result["errors"]
     assert result["pool_end"]["leases"] == 0 and result["pool_end"]["blocks"] > 0, result["pool_end"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_run import running_serve
+from tests.e2e.serve_run import DTYPE, running_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,7 +53,7 @@ def test_the_cost_model_prices_with_the_spec_derived_from_the_model(server, mode
                                                timeout=30).read())
     spec = status["model_spec"]
     assert (spec["layers"], spec["n_q"], spec["n_kv"], spec["head_dim"]) == (6, 6, 3, 64)
-    assert spec == model_spec(str(model_dir), model_dir.name, engine_dtype="bfloat16").model_dump()
+    assert spec == model_spec(str(model_dir), model_dir.name, engine_dtype=DTYPE).model_dump()
     # each replica's start-up prefill probe fitted its MFU: priced with what its engine measured, not the configured
     rows = status["replicas"]
     assert len(rows) == 2 and all(r["gpu_profile"] == "cpu-2core" and r["mfu"] != 0.4 for r in rows), rows

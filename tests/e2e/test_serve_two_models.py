@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.serve_run import running_serve
+from tests.e2e.serve_run import DTYPE, running_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]):
     engine = cfg["app"].pop("engine")
     replicas = {**cfg["app"].pop("replicas"), "num_replicas": 1}
     cfg["app"]["router"]["model_spec"] = None  # each model priced with the spec of its own files
-    cfg["app"]["models"] = [{"engine": {**engine, "model": str(m), "served_model_name": m.name},
+    cfg["app"]["models"] = [{"engine": {**engine, "model": str(m), "served_model_name": m.name, "dtype": DTYPE},
                              "replicas": replicas} for m in models]
     path = tmp / "two-models.yaml"
     path.write_text(yaml.safe_dump(cfg))

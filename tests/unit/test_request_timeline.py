@@ -16,7 +16,7 @@ from deployments.replica import request_timeline
 from kvpool.connector.timing import TIMING_PARAM, PoolRequestTiming, from_params, to_params
 from router.decision import DecisionRecord
 from router.hub import PollReply, ReplicaReport
-from router.wire import GenerateChunk, ReplicaTimeline
+from router.wire import GenerateChunk, GenerateRequest, ReplicaTimeline
 from tests.unit.test_live_calibration import make_view
 
 
@@ -91,17 +91,16 @@ def test_the_calibration_fits_the_engines_prefill_and_the_path_apart() -> None:
 @pytest.mark.parametrize(("policy", "planned"), [("cost_based", True), ("always_fetch", True),
                                                  ("round_robin", False), ("prefix_affinity", False)])
 def test_a_policy_that_prices_the_pool_plans_its_loads(policy: str, planned: bool) -> None:
-    """cost_based's HOLDER / RECOMPUTE means "nothing from the pool": the replica then tells the connector to load
-    nothing (no lookup to wait for before vLLM schedules the request); a policy that leaves the pool to the
-    connector does not, and the connector looks every request up."""
-    from deployments.replica import NO_POOL_LOAD, engine_sampling_params
-    from kvpool.connector.scheduler import NO_LOAD_PARAM, PLAN_PARAM
-    from router.wire import encode_sampling_params
-    from vllm import SamplingParams
-
+    """cost_based's RECOMPUTE means "nothing from the pool": the replica then tells the connector to load nothing
+    (no lookup to wait for before vLLM schedules the request); a policy that leaves the pool to the connector does
+    not, and the connector looks every request up (the plan's shard first)."""
     import random
 
+    from deployments.replica import connector_params, engine_sampling_params
+    from kvpool.connector.scheduler import NO_LOAD_PARAM, PLAN_PARAM
     from router.policies.runner import make_policy
+    from router.wire import encode_sampling_params
+    from vllm import SamplingParams
 
     view = make_view()
     if policy != "cost_based":
@@ -109,9 +108,27 @@ def test_a_policy_that_prices_the_pool_plans_its_loads(policy: str, planned: boo
     view.apply(PollReply(cursor=1, reports=[ReplicaReport(replica_id="r1", node_id="node-a", seq=1, running=0,
                                                           waiting=0)]))
     routed, _ = view.decide("req-1", list(range(100)))
-    assert routed.pool_planned is planned
+    assert routed.pool_planned is planned and routed.action == "recompute"
     raw = encode_sampling_params(SamplingParams(max_tokens=4))
-    load_nothing = routed.pool_planned and routed.action in NO_POOL_LOAD
-    params = engine_sampling_params(raw, kv_shard_hint="shard-a", load_nothing=load_nothing).extra_args
+    request = GenerateRequest(request_id="req-1", prompt_token_ids=list(range(100)), sampling_params=raw,
+                              action=routed.action, pool_planned=routed.pool_planned,
+                              planned_reuse_tokens=routed.planned_reuse_tokens)
+    params = engine_sampling_params(raw, connector_params(request, "shard-a")).extra_args
     assert params == ({"kv_transfer_params": {NO_LOAD_PARAM: True}} if planned
                       else {"kv_transfer_params": {PLAN_PARAM: "shard-a"}})
+
+
+def test_a_planned_holder_tells_the_connector_the_prefix_it_counted_on() -> None:
+    """A HOLDER of a policy that plans the pool loads names its HBM prefix (the connector looks the pool up only
+    if vLLM's cache supplies less); the same HOLDER of a policy that does not plan the loads is looked up as usual,
+    and a FETCH hints at its shard."""
+    from deployments.replica import connector_params
+    from kvpool.connector.scheduler import HOLDER_PARAM, PLAN_PARAM
+
+    def request(action: str, planned: bool) -> GenerateRequest:
+        return GenerateRequest(request_id="r", prompt_token_ids=[1] * 700, sampling_params=b"", action=action,
+                               pool_planned=planned, planned_reuse_tokens=512)
+
+    assert connector_params(request("holder", True), None) == {HOLDER_PARAM: 512}
+    assert connector_params(request("holder", False), None) is None
+    assert connector_params(request("fetch", True), "shard-b") == {PLAN_PARAM: "shard-b"}

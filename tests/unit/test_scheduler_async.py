@@ -409,3 +409,28 @@ def test_a_short_tensor_parallel_lease_leaves_the_missing_ranks_slots_unleased()
     spec = leased_load(side, req, 9, 3 * BS)
     assert [b.remote is not None for b in spec.blocks] == [True, True, True, True, True, False]
     assert side.stats.leases_short == 1 and side._reqs["a"].loading == [100, 101]
+
+
+def test_a_planned_holder_looks_up_the_pool_only_when_its_hbm_prefix_is_not_there() -> None:
+    """The router's HOLDER counted on 4 blocks in this engine's HBM (``HOLDER_PARAM``). When vLLM's cache has them,
+    nothing is looked up and nothing waits; when it has less (the router's view of the HBM was out of date), the
+    pool supplies the rest like any request's instead of a full recompute, counted once in ``holders_short``."""
+    from kvpool.connector.scheduler import HOLDER_PARAM
+
+    side, fake = make_side(held=6)
+    there = request("held")
+    there.kv_transfer_params = {HOLDER_PARAM: 4 * BS}
+    side.on_new_request(there)
+    out, took = timed(side.get_num_new_matched_tokens, there, 4 * BS)
+    assert out == (0, False) and took < FAST_S
+    side.calls.wait_idle(5.0)
+    assert side.stats.lookups == 0 and fake.lookups == [] and side.stats.holders_short == 0
+
+    gone = request("evicted")
+    gone.kv_transfer_params = {HOLDER_PARAM: 4 * BS}
+    side.on_new_request(gone)
+    assert side.stats.lookups == 0  # no eager lookup: vLLM's first ask tells whether the prefix is there
+    until(lambda: side.get_num_new_matched_tokens(gone, BS) != (None, False))
+    # looked up past vLLM's 1 cached block: keys 1..7, of which the fake holds the first 6
+    assert side.get_num_new_matched_tokens(gone, BS) == (6 * BS, True) and fake.lookups == [7]
+    assert side.stats.lookups == 1 and side.stats.holders_short == 1
