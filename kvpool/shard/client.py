@@ -12,7 +12,8 @@ Who calls what:
   clients of it.
 
 Every call carries the cluster secret's proof (``kvpool.secret.call_proof``: the shard refuses a call without it),
-as its last argument (a commit's, bound to its reservation and the shard's epoch, inside its request). Every call has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
+as its last argument (a commit's, bound to its reservation and the shard's epoch, inside its request). Every call
+has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
 ``ShardDeadError``; a reply of another wire version ``WireVersionError``. An exception raised inside the actor
 (e.g. an invalid request it refused) propagates as Ray's ``RayTaskError``.
 """

@@ -24,7 +24,8 @@ class _FakeCluster:
         pass
 
 
-def _cluster_whose_nodes_fail(monkeypatch: pytest.MonkeyPatch, failures: list[Exception]) -> tuple[lc.LocalCluster, dict]:
+def _cluster_whose_nodes_fail(monkeypatch: pytest.MonkeyPatch,
+                              failures: list[Exception]) -> tuple[lc.LocalCluster, dict]:
     seen = {"starts": 0, "swept": [], "init": 0}
     cluster = lc.LocalCluster(workers=1)
 

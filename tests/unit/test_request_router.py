@@ -1,8 +1,8 @@
 """deployments.request_router: the target read from a real Serve ``PendingRequest``, the load read from routing
 stats, and ``DecisionRequestRouter.choose_replicas``'s ranking (chosen replica first, the rest least-loaded behind
-it; least-loaded when a generate request's target is gone or absent; a control call waits for its target). The router body needs no Serve state, so it is called unbound
-on ``FakeRunningReplica``s (tests/fakes/serve.py: real ``RunningReplica``s without a live actor, so a router that
-tried to reach a replica would fail)."""
+it; least-loaded when a generate request's target is gone or absent; a control call waits for its target). The
+router body needs no Serve state, so it is called unbound on ``FakeRunningReplica``s (tests/fakes/serve.py: real
+``RunningReplica``s without a live actor, so a router that tried to reach a replica would fail)."""
 
 from __future__ import annotations
 
