@@ -180,14 +180,14 @@ class LocalCluster:
             self.add_worker()
 
     def _tear_down_nodes(self) -> None:
-        """End what a failed start left: the nodes Ray knows, then any process of this cluster's temp dir (a node
-        whose start raised is known to no one)."""
+        """End this cluster's nodes (at shutdown, or what a failed start left): the nodes Ray knows, then any process
+        of this cluster's temp dir (a node whose start raised is known to no one)."""
         cluster = getattr(self, "_cluster", None)
         if cluster is not None:
             try:
                 cluster.shutdown()
             except Exception:  # noqa: BLE001 - best effort; the sweep below ends what is left
-                logger.warning("local cluster: shutting down a failed start", exc_info=True)
+                logger.warning("local cluster: Ray's shutdown of its nodes failed", exc_info=True)
             self._cluster = None
         tmp = getattr(self, "_tmp", None)
         if tmp:
@@ -228,13 +228,9 @@ class LocalCluster:
             if ray.is_initialized():
                 ray.shutdown()
         finally:
-            cluster = getattr(self, "_cluster", None)
-            if cluster is not None:
-                cluster.shutdown()
-                self._cluster = None
+            self._tear_down_nodes()  # Ray's shutdown of the nodes, then what it left running
             tmp = getattr(self, "_tmp", None)
             if tmp:
-                end_processes_of(tmp)  # what Ray's own shutdown left running (a node whose start failed)
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._tmp = None
             for key, value in getattr(self, "_saved_env", {}).items():

@@ -211,6 +211,7 @@ class VLLMReplica:
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
         self.pool_engines = list(pool_engines or [self.settings])
+        self._tp_world = self.settings.tensor_parallel_size()  # every rank's pool keys (kvpool.keys.rank_key)
         self._local_shard: Any = None  # this node's pool shard (ShardHandle) when the pool is on
         self.pool_touches = 0  # prefixes served from HBM whose pool blocks were refreshed
         self.split_stats = SplitStats()
@@ -406,7 +407,7 @@ class VLLMReplica:
         if self.pool is None or self._local_shard is None or n <= 0:
             return
         try:
-            keys = rank_interleaved(request.block_keys[:n], self.settings.tensor_parallel_size())
+            keys = rank_interleaved(request.block_keys[:n], self._tp_world)
             self._local_shard.async_client().touch_nowait(keys, self._fingerprint)
             self.pool_touches += 1
         except Exception as exc:  # noqa: BLE001 - eviction order only
@@ -437,7 +438,7 @@ class VLLMReplica:
             local_shard=local.async_client() if local is not None else None,
             local_shard_id=local.shard_id if local is not None else "", fingerprint=self._fingerprint,
             deadline_s=SPLIT_STAGING_DEADLINE_S, cache_salt=request.cache_salt,
-            tensor_parallel=self.settings.tensor_parallel_size(),
+            tensor_parallel=self._tp_world,
         )
         if outcome.pulled and outcome.pull_s > 0:  # a pool fetch like any other, for the routers' tier fits
             self._pending_samples.append(TransferSample(plan.shard_id, plan.tier == "ssd", outcome.pull_bytes,
