@@ -17,11 +17,11 @@ log and decision records) and simulates every configuration on what that run saw
 - **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
   engine's prefill rate fitted to the prefills it timed alone (scheduled → first token against the tokens it
   computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed cost
-  per prefill), the pool's calls on the scheduler's thread
-  (lookup + lease) as a per-prefill cost, and as a per-request cost the ingress + transport time plus the time
-  outside the router's view (the client's TTFT less the router's, median: HTTP proxy, client, queues before the
-  ingress; ``bench.decision_audit.outside_router``). The anchor has no timeline: it is priced with the pool-less
-  kvstack configuration's figures (same engine arguments).
+  per prefill), the pool's calls for the scheduler (lookup + lease; a load's whole wait on the pool from the
+  engine's first ask, ``PoolRequestTiming.wait_s``, where recorded) as a per-prefill cost, and as a per-request
+  cost the ingress + transport time plus the time outside the router's view (the client's TTFT less the
+  router's, median: HTTP proxy, client, queues before the ingress; ``bench.decision_audit.outside_router``). The
+  anchor has no timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
 the order of the configurations by p50.
 
@@ -91,7 +91,7 @@ class LiveCosts:
     prefill_overhead_s: float  # the fitted fixed cost of a prefill (intercept), plus the pool's scheduler calls
     request_overhead_s: float  # ingress + transport, median, plus outside_router_s
     prefills: int  # prefills the fit saw
-    pool_calls_s: float  # lookup + lease per request, median (0 without the pool)
+    pool_calls_s: float  # lookup + lease (a load's whole wait on the pool) per request, median (0 without the pool)
     outside_router_s: float = 0.0  # client TTFT − router TTFT, median (HTTP proxy, client): no timeline sees it
     peak_tflops: float = 0.0  # the profile's peak as the fit raised it (0: the profile's own), as the router does
 
@@ -123,7 +123,9 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
             outside.append(float(tl["ingress_s"]) + float(tl["transport_s"]))
         p = tl.get("pool")
         if p:
-            pool.append(float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0))
+            # Its pool calls; a load's whole wait on the pool from the engine's first ask when it was recorded.
+            calls = float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0)
+            pool.append(max(calls, float(p.get("wait_s") or 0.0)))
     # The engine's rate is what one prefill alone costs: fit the prefills no other prefill of the same replica
     # overlapped (the engine shares its compute among those in flight; the simulator models that sharing itself),
     # all of them when fewer than 5 ran alone.

@@ -55,6 +55,7 @@ class RequestTimeline(msgspec.Struct, kw_only=True):
         if self.pool is not None:
             out["pool_lookup"] = self.pool.lookup_s
             out["pool_lease"] = self.pool.lease_s
+            out["pool_wait"] = self.pool.wait_s
         return out
 
 

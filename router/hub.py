@@ -32,7 +32,8 @@ DEFAULT_HUB_NAME = "kvstack-cluster-view"
 
 class TransferSample(msgspec.Struct, frozen=True, array_like=True):
     """One pool fetch a replica's connector finished: from which shard, whether the shard had to promote blocks
-    from SSD, and its cost end to end (lease + read). The routers fit their tier prices to these."""
+    from SSD, and its cost to the request end to end (its wait on the pool from the engine's first ask, then the
+    read: ``kvpool.connector.meta.TransferRecord.seconds``). The routers fit their tier prices to these."""
 
     shard_id: str
     ssd: bool

@@ -7,7 +7,9 @@ Who calls what (all inside one ``router.ingress.OpenAIIngress`` replica, on its 
   ``router.policies.runner``); a replica the index wants resynced makes the next poll ask for the hub's snapshot.
   Replicas not heard from within ``replica_ttl_s`` are dropped by the index. Beside it runs
   ``router.shard_sync.ShardSync`` (the pool shards' event streams into the same index, through kvpool's typed
-  ``ShardEventSource``, one loop per shard).
+  ``ShardEventSource``, one loop per shard), and a probe of the event loop itself: how late a timer that was due
+  ran (``kvstack_router_event_loop_lag_seconds``: a request arriving meanwhile waits as long before the ingress
+  reads it; the time a client sees outside the router's own timeline).
 - ``decide(request_id, token_ids, tenant, client_salt)`` computes block keys (``kvpool.keys``) under the request's
   one salt (``kvpool.keys.request_salt``: engine salt, tenant, client salt) and builds a ``ClusterSnapshot``
   (per-replica HBM prefix, pool hits, load, calibrated hardware) and returns the ``Routed`` decision for the wire.
@@ -49,6 +51,8 @@ from router.shard_sync import ShardEvents, ShardSync
 from router.wire import FetchPlanMsg, GenerateChunk, routing_root
 
 log = logging.getLogger("kvstack.router")
+
+LOOP_PROBE_S = 0.05  # the event-loop probe's period: a sleep this long that wakes late measures the lag
 
 # Role names of the app config's tier map → TierMap.from_tiers keywords.
 _ROLE_TO_TIERMAP = {"local_dram": "dram_local", "remote_dram": "dram_remote", "local_ssd": "ssd_local",
@@ -118,10 +122,20 @@ class LiveView:
     # -- the hub stream and the shards' event streams -------------------------------------------------------
     async def run(self) -> None:
         shards = asyncio.create_task(self.shard_sync.run(self._list_shards, interval_s=self.settings.poll_interval_s))
+        probe = asyncio.create_task(self._probe_loop())
         try:
             await self._run_hub()
         finally:
             shards.cancel()
+            probe.cancel()
+
+    async def _probe_loop(self) -> None:
+        """Measure how late the event loop runs a due timer, forever (``kvstack_router_event_loop_lag_seconds``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_PROBE_S
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.metrics.observe_loop_lag(loop.time() - due)
 
     async def _run_hub(self) -> None:
         while True:
@@ -336,7 +350,8 @@ class LiveView:
         record = routed.record
         if record is not None and record.timeline is not None and record.timeline.pool is None:
             record.timeline.pool = timing
-            self.metrics.observe_stages(record, {"pool_lookup": timing.lookup_s, "pool_lease": timing.lease_s})
+            self.metrics.observe_stages(record, {"pool_lookup": timing.lookup_s, "pool_lease": timing.lease_s,
+                                                 "pool_wait": timing.wait_s})
 
     def request_done(self, routed: Routed, tpot_s: float | None = None) -> None:
         if routed.record is not None:

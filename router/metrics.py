@@ -8,7 +8,8 @@ Who calls what: ``PolicyRunner`` calls ``observe_decision`` for every decision a
 actual TTFT arrives; the live view calls ``observe_stages`` with each request's timeline (first token, then its pool
 calls once it finished); the ingress calls ``observe_tpot`` per finished stream and ``set_replica_load`` when load
 reports arrive; the live view calls ``observe_transfer`` per reported pool fetch and ``set_tier_prices`` when the
-calibrated tier prices change. The registry is injected (tests and the simulator use their own ``CollectorRegistry``).
+calibrated tier prices change, and ``observe_loop_lag`` from its event-loop probe. The registry is injected (tests
+and the simulator use their own ``CollectorRegistry``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from router.decision import DecisionRecord
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SIGNED_BUCKETS = (-10.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _RATIO_BUCKETS = (-0.9, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
@@ -99,11 +101,19 @@ class RouterMetrics:
             "Where the time to first token went, per stage (router.decision.RequestTimeline.stages)",
             ["policy", "action", "stage"], buckets=_TTFT_BUCKETS, registry=r,
         )
+        self.loop_lag = Histogram(
+            "kvstack_router_event_loop_lag_seconds",
+            "How late the router's event loop ran a timer that was due (a request arriving then waited as long "
+            "before the ingress read it)", buckets=_LAG_BUCKETS, registry=r,
+        )
         self.inflight = Gauge(
             "kvstack_router_inflight_assignments",
             "This router's assignments not yet reflected in the replica's load report (anti-herding)",
             ["replica"], registry=r,
         )
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(max(0.0, seconds))
 
     def observe_decision(self, record: DecisionRecord) -> None:
         policy, action = record.policy, str(record.action)

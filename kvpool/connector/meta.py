@@ -65,6 +65,9 @@ class LoadSpec(msgspec.Struct, frozen=True):
     states: list[LoadBlock]
     all_or_nothing: bool
     lease_s: float = 0.0  # how long the scheduler's lease call took (SSD promotion happens inside it)
+    # What the request waited on the pool before this load, from vLLM's first ask about it (>= lease_s): the rest
+    # of its lookup, the steps it was skipped ("not yet"), its allocation and the lease.
+    wait_s: float = 0.0
     ssd_blocks: int = 0  # leased blocks the shard found on SSD (promoted to DRAM for the lease)
     grant: bytes = b""  # the lease's grant, presented with the read (``kvpool.store``, "Grants")
     world: int = 1  # the engine's tensor-parallel ranks the slots are laid out for
@@ -72,7 +75,8 @@ class LoadSpec(msgspec.Struct, frozen=True):
 
 
 class TransferRecord(msgspec.Struct, frozen=True, array_like=True):
-    """One finished load (all of its slots read and verified): what it cost, end to end from the lease."""
+    """One finished load (all of its slots read and verified): what it cost the request, end to end from vLLM's
+    first ask about its external tokens (the lookup's wait, the lease) to the end of the read."""
 
     shard_id: str
     blocks: int  # slots read (attention blocks plus a hybrid's state slot)
@@ -80,11 +84,12 @@ class TransferRecord(msgspec.Struct, frozen=True, array_like=True):
     lease_s: float
     read_s: float
     ssd_blocks: int
+    wait_s: float = 0.0  # ``LoadSpec.wait_s`` (0: only the lease is known)
     version: int = META_VERSION
 
     @property
     def seconds(self) -> float:
-        return self.lease_s + self.read_s
+        return max(self.wait_s, self.lease_s) + self.read_s
 
 
 class SaveSpec(msgspec.Struct, frozen=True):

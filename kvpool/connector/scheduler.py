@@ -148,6 +148,8 @@ class _Req:
     loaded_tokens: int = 0  # tokens its loads supplied (counted once the worker reported the load)
     loading: list[int] | None = None  # a load handed to the worker: its leased blocks' ids (the first group)
     holder_short: bool = False  # a HOLDER whose HBM prefix fell short of the plan (counted once)
+    asked_at: float | None = None  # time.monotonic() of vLLM's first ask that went to the pool
+    wait_s: float = 0.0  # from that ask to its load handed to the worker (lookup wait, skipped steps, lease)
 
 
 @dataclass
@@ -286,6 +288,8 @@ class SchedulerSide:
             if not r.holder_short:
                 r.holder_short = True
                 self.stats.holders_short += 1
+        if r.asked_at is None:
+            r.asked_at = time.monotonic()
         self._harvest(r)
         end = r.found.answer(start, limit, self.plan.hybrid) if r.found is not None else None
         if end is None:
@@ -472,10 +476,14 @@ class SchedulerSide:
                     self._lost(r, match.start + usable, match.end)
                 if self.plan.hybrid and lease_id:
                     self._release(rid, "short", only=lease_id)  # useless without the state
-            self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s)
+            # What the request waited on the pool before its read: from vLLM's first ask to now.
+            wait_s = max(time.monotonic() - r.asked_at, lease_s) if r.asked_at is not None else lease_s
+            r.wait_s += wait_s
+            self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s,
+                             wait_s)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
-                    block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float) -> None:
+                    block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float, wait_s: float) -> None:
         world = self.tp_world
 
         def slot(j: int) -> RemoteBlock | None:
@@ -501,6 +509,7 @@ class SchedulerSide:
             states=states,
             all_or_nothing=self.plan.hybrid,
             lease_s=lease_s,
+            wait_s=wait_s,
             ssd_blocks=sum(1 for b in leased if b.from_tier is Tier.SSD),
             grant=reply.lease.grant if reply is not None else b"",
             world=world,
@@ -619,7 +628,7 @@ class SchedulerSide:
         if r is None or not r.lookups:
             return False, None
         timing = PoolRequestTiming(lookups=r.lookups, lookup_s=r.lookup_s, lease_s=r.lease_s,
-                                   loaded_tokens=r.loaded_tokens, not_yet=r.not_yet)
+                                   loaded_tokens=r.loaded_tokens, not_yet=r.not_yet, wait_s=r.wait_s)
         return False, to_params(timing)
 
     def _release(self, rid: str, why: str, *, before_step: int | None = None, only: int | None = None) -> None:

@@ -316,7 +316,8 @@ class WorkerSide:
         ok_blocks = sum(len(its) for its, f in zip(items, failed, strict=True) if not f)
         if moved and ok_blocks:
             self._records.append(TransferRecord(head.shard_id, ok_blocks, moved, max(s.lease_s for s in group),
-                                                read_s, sum(s.ssd_blocks for s in group)))
+                                                read_s, sum(s.ssd_blocks for s in group),
+                                                max(s.wait_s for s in group)))
         for k, spec in enumerate(group):
             done[k] = (spec, items[k], failed[k])
 

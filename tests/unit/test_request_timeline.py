@@ -31,7 +31,7 @@ def test_replica_timeline_is_offsets_from_receipt_and_marks_missing_steps() -> N
 
 
 def test_pool_timing_round_trips_through_kv_transfer_params() -> None:
-    timing = PoolRequestTiming(lookups=2, lookup_s=0.004, lease_s=0.002, loaded_tokens=256)
+    timing = PoolRequestTiming(lookups=2, lookup_s=0.004, lease_s=0.002, loaded_tokens=256, wait_s=0.03)
     params = to_params(timing)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == params  # plain builtins, as vLLM ships them
     assert from_params(params) == timing
@@ -48,13 +48,13 @@ def test_the_ingress_joins_both_into_the_decision_record_and_the_stage_metrics()
     replica = ReplicaTimeline(plan_s=0.01, queued_s=0.02, scheduled_s=0.12, first_token_s=0.52, first_chunk_s=0.55)
     view.record_first_token(routed, 0.7, GenerateChunk(token_ids=[1], prompt_tokens=100, replica_id="r1",
                                                        timeline=replica), ingress_s=0.05)
-    view.record_pool_timing(routed, PoolRequestTiming(lookups=1, lookup_s=0.03, lease_s=0.0))
+    view.record_pool_timing(routed, PoolRequestTiming(lookups=1, lookup_s=0.03, lease_s=0.0, wait_s=0.08))
     record = view.audit.get("req-1")
     assert record is not None and record.timeline is not None
     stages = record.timeline.stages()
     assert stages["ingress"] == pytest.approx(0.05) and stages["transport"] == pytest.approx(0.10)
     assert stages["engine_wait"] == pytest.approx(0.10) and stages["prefill"] == pytest.approx(0.40)
-    assert stages["pool_lookup"] == pytest.approx(0.03)
+    assert stages["pool_lookup"] == pytest.approx(0.03) and stages["pool_wait"] == pytest.approx(0.08)
     decoded = msgspec.json.decode(view.audit.to_json(), type=list[DecisionRecord])[0]
     assert decoded.timeline == record.timeline  # /kvstack/decisions carries it
     labels = {"policy": record.policy, "action": str(record.action), "stage": "prefill"}
@@ -132,3 +132,25 @@ def test_a_planned_holder_tells_the_connector_the_prefix_it_counted_on() -> None
     assert connector_params(request("holder", True), None) == {HOLDER_PARAM: 512}
     assert connector_params(request("holder", False), None) is None
     assert connector_params(request("fetch", True), "shard-b") == {PLAN_PARAM: "shard-b"}
+
+
+def test_the_event_loop_probe_measures_how_long_the_loop_was_blocked() -> None:
+    """A request that arrives while the ingress's loop is busy waits outside every timeline; the probe sees it."""
+    import asyncio
+
+    view = make_view()
+
+    async def scenario() -> None:
+        probe = asyncio.create_task(view._probe_loop())
+        await asyncio.sleep(0.12)  # a few idle periods: no lag to speak of
+        time.sleep(0.3)  # the loop is blocked (a synchronous call on it)
+        await asyncio.sleep(0.12)
+        probe.cancel()
+
+    asyncio.run(scenario())
+    total = view.registry.get_sample_value("kvstack_router_event_loop_lag_seconds_sum")
+    late = view.registry.get_sample_value("kvstack_router_event_loop_lag_seconds_bucket", {"le": "0.1"})
+    count = view.registry.get_sample_value("kvstack_router_event_loop_lag_seconds_count")
+    assert count is not None and count >= 3
+    assert total is not None and 0.2 <= total < 0.5  # the blocked 0.3 s less the rest of one period
+    assert late is not None and late == count - 1  # exactly one probe ran late by more than 0.1 s

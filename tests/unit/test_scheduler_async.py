@@ -185,6 +185,34 @@ def test_a_lease_in_flight_holds_the_load_back_without_blocking_the_step() -> No
     assert fake.released == [7] and not side.held_leases() and params is not None
 
 
+def test_what_the_request_waited_on_the_pool_from_the_first_ask_is_in_its_load_and_timing() -> None:
+    """The cost a FETCH pays before its read is its wait from vLLM's first ask (the lookup still in flight, the
+    steps it was skipped, the lease), not only the lease call: ``LoadSpec.wait_s`` (the calibration's transfer
+    seconds, ``TransferRecord.seconds``) and the timeline's ``PoolRequestTiming.wait_s``."""
+    from kvpool.connector.meta import TransferRecord
+    from kvpool.connector.timing import from_params
+
+    side, fake = make_side(held=6)
+    fake.lookup_gate.clear()
+    req = request("a")
+    side.on_new_request(req)
+    asked = time.monotonic()
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.15)  # the lookup is frozen for a while: the request waits
+    fake.lookup_gate.set()
+    until(lambda: side.get_num_new_matched_tokens(req, 0) != (None, False))
+    assert side.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    spec = leased_load(side, req, 9, 6 * BS)
+    waited = time.monotonic() - asked
+    assert 0.15 <= spec.wait_s <= waited and spec.wait_s >= spec.lease_s
+    record = TransferRecord("s1", 6, 6 * 4096, spec.lease_s, 0.01, 0, spec.wait_s)
+    assert record.seconds == pytest.approx(spec.wait_s + 0.01)
+    assert TransferRecord("s1", 6, 6 * 4096, 0.02, 0.01, 0).seconds == pytest.approx(0.03)  # only the lease known
+    _, params = side.request_finished(req)
+    timing = from_params(params)
+    assert timing is not None and timing.wait_s == pytest.approx(spec.wait_s)
+
+
 def test_aborted_while_leasing_gets_a_failed_load_and_the_late_lease_is_released() -> None:
     side, fake = make_side(held=6)
     req = request("a")

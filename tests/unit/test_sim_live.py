@@ -54,6 +54,11 @@ def test_live_costs_fit_the_engine_prefill_and_the_per_request_costs() -> None:
     assert got.prefill_overhead_s == pytest.approx(0.05 + 0.006, rel=1e-3)
     assert got.request_overhead_s == pytest.approx(0.03)
     assert live_costs([{"decided_at": 0.0}], HW) is None
+    # a load's whole wait on the pool (from the engine's first ask), where recorded, prices its pool calls
+    waited = [dict(r, timeline=dict(r["timeline"], pool={"lookup_s": 0.004, "lease_s": 0.002, "wait_s": 0.03}))
+              for r in recs]
+    got_wait = live_costs(waited, HW)
+    assert got_wait is not None and got_wait.pool_calls_s == pytest.approx(0.03)
     # the client's view adds the time outside the router (median of client − router TTFT)
     ids = [dict(r, request_id=f"c{i}", actual_ttft_s=1.0) for i, r in enumerate(recs)]
     client = [{"response_id": f"c{i}", "ttft_s": 1.0 + 0.1 * i, "sent_at_s": float(i)} for i in range(6)]
