@@ -75,6 +75,8 @@ from router.wire import (
 log = logging.getLogger("kvstack.replica")
 
 SPLIT_STAGING_DEADLINE_S = 60.0  # computing a SPLIT's head and staging its tail on this node, at most
+# vLLM refuses to reset its prefix cache while any request holds blocks: the admin reset tries again this long.
+RESET_DEADLINE_S = 10.0
 
 
 class HbmPrefixLedger:
@@ -455,7 +457,8 @@ class VLLMReplica:
         if request.target_replica != self.replica_id:
             return {"replica_id": self.replica_id, "ok": False, "error": "reached the wrong replica (target gone?)"}
         if request.op == "reset_prefix_cache":
-            return {"replica_id": self.replica_id, "ok": await self.reset_prefix_cache()}
+            ok, why = await self.reset_prefix_cache()
+            return {"replica_id": self.replica_id, "ok": ok, **({"error": why} if why else {})}
         if request.op == "info":
             return {"ok": True, **await self.info()}
         if request.op == "engine_metrics":  # vLLM's own vllm:* series of this replica's engine
@@ -464,11 +467,20 @@ class VLLMReplica:
             return {"replica_id": self.replica_id, "ok": True, "text": engine_metrics_text()}
         return {"replica_id": self.replica_id, "ok": False, "error": f"unknown op {request.op!r}"}
 
-    async def reset_prefix_cache(self) -> bool:
-        ok = await self.engine.reset_prefix_cache()
-        with self.ledger.lock:
-            self.ledger.clear()
-        return bool(ok) if ok is not None else True
+    async def reset_prefix_cache(self, deadline_s: float = RESET_DEADLINE_S) -> tuple[bool, str]:
+        """Drop the engine's prefix cache; (ok, why not). vLLM refuses while a request holds blocks: asked again
+        until ``deadline_s``. The HBM view the routers get is cleared only once the engine's cache really is."""
+        end = time.monotonic() + deadline_s
+        while True:
+            ok = await self.engine.reset_prefix_cache()
+            if ok is None or ok:
+                with self.ledger.lock:
+                    self.ledger.clear()
+                return True, ""
+            if time.monotonic() >= end:
+                return False, (f"vLLM kept refusing to reset its prefix cache for {deadline_s:.0f} s: blocks in use "
+                               f"({self.running} running, {self.waiting} waiting)")
+            await asyncio.sleep(0.2)
 
     async def info(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,

@@ -199,6 +199,11 @@ class RoutedEngineClient(EngineClient):
                     merged = out
                 else:
                     merged.add(out, aggregate=True)
+            if not finished:
+                # The replica's stream ended without its last chunk (the replica died, or its actor call was cut):
+                # an error for the client, never an answer that looks complete.
+                raise GenerationError(f"replica {routed.target_replica or '?'}: the stream ended before the "
+                                      f"request finished ({tokens} tokens in)")
             if merged is not None:
                 yield merged
         finally:

@@ -68,8 +68,12 @@ class Call:
     async def _chunks(self) -> Any:
         params = decode_sampling_params(self.request.sampling_params)
         ids = self.owner.tokenizer.encode(self.owner.output, add_special_tokens=False)
+        sent = 0
         for index in range(params.n):
             for i, tid in enumerate(ids):
+                if self.owner.cut_after is not None and sent == self.owner.cut_after:
+                    return  # the replica's stream ends here, without its last chunk (the replica died)
+                sent += 1
                 last = i == len(ids) - 1
                 await asyncio.sleep(self.owner.delay_s)
                 yield GenerateChunk(index=index, text=self.owner.tokenizer.decode([tid]), token_ids=[tid],
@@ -84,6 +88,7 @@ class Replicas:
     def __init__(self) -> None:
         self.output = "hello"
         self.delay_s = 0.0
+        self.cut_after: int | None = None  # end every call's stream after this many chunks, unfinished
         self.tokenizer: Any = None
         self.calls: list[Call] = []
 
@@ -365,6 +370,27 @@ def test_a_disconnect_mid_stream_cancels_the_replica_call(served: Any) -> None:
         served[2].delay_s = 0.0
     assert served[2].calls[-1].cancelled
     assert served[1].done == done + 1  # the routing view closed the assignment
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_replica_stream_cut_short_is_an_error_never_a_complete_answer(served: Any, stream: bool) -> None:
+    """A replica that dies mid-request ends its call's stream without the finished chunk: the client gets an error
+    (streamed: an error event, no finish reason; otherwise an error response), not a truncated answer that looks
+    whole."""
+    served[2].output = "one two three four five six seven eight nine ten"
+    served[2].cut_after = 3
+    try:
+        if stream:
+            out = run(served, {"messages": USER, "max_tokens": 32, "stream": True})
+            assert any(isinstance(e, dict) and "error" in e for e in out), out
+            assert not any(c.get("finish_reason") for e in out if isinstance(e, dict) for c in e.get("choices", []))
+        else:
+            with pytest.raises(fmt.ApiError) as err:
+                run(served, {"messages": USER, "max_tokens": 32})
+            assert err.value.status == 500 and "ended before the request finished" in str(err.value.message)
+    finally:
+        served[2].cut_after = None
+    assert served[2].calls[-1].cancelled  # the call is cancelled (the replica, if alive, aborts the request)
 
 
 def test_a_client_request_id_in_flight_twice_gets_two_engine_requests(served: Any) -> None:

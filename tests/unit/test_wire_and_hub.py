@@ -395,3 +395,34 @@ def test_readers_converge_on_the_ledgers(seed: int) -> None:
                 break
         assert reader.view == {rid: set(led.snapshot()) for rid, led in ledgers.items()}
     assert readers[-1].snapshots > 0  # the slowest reader did resync from a snapshot
+
+
+def test_a_reset_vllm_refuses_is_asked_again_and_the_view_is_cleared_only_once_it_worked() -> None:
+    """vLLM refuses to reset its prefix cache while a request holds blocks (``reset_prefix_cache`` returns False):
+    the replica asks again until its deadline, and clears the HBM view it publishes only when the engine's cache
+    really was dropped; a reset that never worked is ``ok: False`` with the reason."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.replica import VLLMReplica
+
+    class Engine:
+        def __init__(self, refusals: int) -> None:
+            self.refusals, self.calls = refusals, 0
+
+        async def reset_prefix_cache(self) -> bool:
+            self.calls += 1
+            return self.calls > self.refusals
+
+    def replica(refusals: int) -> SimpleNamespace:
+        led = HbmPrefixLedger(8)
+        led.touch([k(1), k(2)])
+        return SimpleNamespace(engine=Engine(refusals), ledger=led, running=1, waiting=0)
+
+    busy = replica(refusals=3)  # a request finishes after three refusals
+    assert asyncio.run(VLLMReplica.reset_prefix_cache(busy, deadline_s=5.0)) == (True, "")
+    assert busy.engine.calls == 4 and busy.ledger.snapshot() == []
+    stuck = replica(refusals=10**6)
+    ok, why = asyncio.run(VLLMReplica.reset_prefix_cache(stuck, deadline_s=0.5))
+    assert not ok and "1 running" in why
+    assert set(stuck.ledger.snapshot()) == {k(1), k(2)}  # the engine still holds them: the view says so
