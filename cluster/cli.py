@@ -41,6 +41,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("compare", "bench.compare_cli", "policies side by side (simulator and live)"),
     ("live-compare", "bench.live_compare", "one kvstack serve per policy + bench agent, markdown report"),
     ("sim-live", "bench.sim_live", "simulate a live-compare run's configurations on what it saw; sim vs live"),
+    ("vllm-compare", "bench.vllm_bench_compare", "vllm bench serve against each configuration, markdown report"),
 ]
 # (command path, flag) -> the command path it stands for: ``kvstack bench compare --live ...`` is
 # ``kvstack bench live-compare ...`` (the flag dropped, every other argument that command's).
