@@ -479,6 +479,7 @@ class SchedulerSide:
             # What the request waited on the pool before its read: from vLLM's first ask to now.
             wait_s = max(time.monotonic() - r.asked_at, lease_s) if r.asked_at is not None else lease_s
             r.wait_s += wait_s
+            r.asked_at = None  # a load after a preemption waits from its own first ask
             self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s,
                              wait_s)
 
