@@ -230,6 +230,16 @@ def run_dir(work: Path, policy: str, repeat: int) -> Path:
     return work / (policy if repeat == 1 else f"{policy}#{repeat}")
 
 
+def stop_server(server: ServerProcess, rdir: Path, deadline_s: float) -> dict[str, Any]:
+    """Stop one run's server (its whole session) and return its summary. Once it is gone, its pool shards' SSD
+    tier files (``serve_command`` puts them under ``rdir``; preallocated, ~1 GiB per shard) go too: they outlive
+    the server and are not worth keeping."""
+    server.stop(deadline_s, reap_session=True)
+    if not server.running():
+        shutil.rmtree(rdir / "ssd", ignore_errors=True)
+    return server.summary()
+
+
 def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: list[str], model: str,
                repeat: int = 1, repeats: int = 1) -> dict[str, Any]:
     """Serve, warm up, bench, stop — for one configuration. Returns its entry for results.json (``error`` on
@@ -275,12 +285,8 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         entry["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
         print(f"[live-compare] {policy}: FAILED {entry['error'][:500]}", file=sys.stderr, flush=True)
     finally:
-        server.stop(args.stop_timeout_s, reap_session=True)
-        entry["server"] = {"port": port, **server.summary()}
+        entry["server"] = {"port": port, **stop_server(server, pdir, args.stop_timeout_s)}
         entry["new_ray_like_processes_after_stop"] = new_ray_like_processes(pids_before)
-        if not server.running():
-            # the pool shards' SSD tier files (preallocated, ~1 GiB per shard) outlive the server: not worth keeping
-            shutil.rmtree(pdir / "ssd", ignore_errors=True)
         entry["load_avg_after"] = list(os.getloadavg())
         entry["wall_s"] = time.monotonic() - t0
         if server.leftover_pids:

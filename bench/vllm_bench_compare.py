@@ -37,6 +37,7 @@ from bench.live_compare import (
     is_kvstack,
     run_order,
     serve_command,
+    stop_server,
     warm_up,
 )
 from bench.serve_process import ServerProcess, log_contains
@@ -103,8 +104,7 @@ def run_config(args: argparse.Namespace, config: str, repeat: int, work: Path, s
         entry["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
         print(f"[vllm-compare] {config} #{repeat}: FAILED {entry['error'][:500]}", file=sys.stderr, flush=True)
     finally:
-        server.stop(args.stop_timeout_s, reap_session=True)
-        entry["server"] = server.summary()
+        entry["server"] = stop_server(server, rdir, args.stop_timeout_s)
         entry["load_avg_after"] = list(os.getloadavg())
     return entry
 
