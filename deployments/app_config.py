@@ -92,7 +92,8 @@ class ReplicaSettings(Strict):
     cpu_binding: CpuBinding = Field(
         default="exclusive",
         description="exclusive: a replica's threads run on cores no other replica holds (refused when none is "
-                    "free); shared: the least-claimed cores, replicas may share them (deployments.cpu_placement)")
+                    "free); shared: the least-claimed cores, replicas may share them; unbound: no claim, the "
+                    "threads run wherever the OS schedules them (vLLM's nobind) (deployments.cpu_placement)")
 
     @model_validator(mode="after")
     def _one_of(self) -> ReplicaSettings:

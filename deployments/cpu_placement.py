@@ -34,7 +34,11 @@ of its own (Guaranteed QoS with the kubelet's static CPU manager); the claim the
 
 Policy (``ReplicaSettings.cpu_binding``): ``exclusive`` (default) takes only cores no live replica holds, within
 one NUMA node when one has enough, and refuses with a message naming the cores and their holders otherwise;
-``shared`` takes the least-claimed cores (replicas share cores because the config says so).
+``shared`` takes the least-claimed cores (replicas share cores because the config says so); ``unbound`` claims
+nothing and binds nothing (``VLLM_CPU_OMP_THREADS_BIND=nobind``, the thread count still set): the OS scheduler moves
+the engine's threads to whichever allowed core is free, which on a small box that also runs the Serve proxy, the
+routers and the pool shards can beat a core of its own (what Ray Serve LLM's CPU engines do; ``bench.ray_serve_llm``).
+Its placement lists every allowed CPU as its cores.
 """
 
 from __future__ import annotations
@@ -187,6 +191,12 @@ def claim_cores(threads: int, binding: CpuBinding = "exclusive", *, owner: str =
     """Claim ``threads`` CPUs for this process (see the module docstring); hold the result while the engine runs."""
     allowed_set = set(allowed) if allowed is not None else os.sched_getaffinity(0)
     topology = cpu_topology(allowed_set, sys_root)
+    if binding == "unbound":  # nothing to claim: the threads may run on any allowed CPU
+        if threads <= 0:
+            raise PlacementError(f"threads must be positive, got {threads}")
+        return CoreClaim(ReplicaPlacement(
+            cores=sorted(allowed_set), threads=threads, binding=binding,
+            numa_nodes=sorted({c.numa_node for c in topology}), allowed=sorted(allowed_set), pid=os.getpid()))
     root = Path(claims_dir or default_claims_dir())
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o777)  # every local user's replicas share the machine's cores
@@ -235,7 +245,8 @@ def engine_environment(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1
     GPU); the cores themselves go to vLLM's ``numa_bind_cpus`` (``engine_arguments``)."""
     env = {"OMP_NUM_THREADS": str(max(1, placement.threads // ranks))}
     if not gpu:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu_bind(list(placement.cores), ranks)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ("nobind" if placement.binding == "unbound"
+                                            else vllm_cpu_bind(list(placement.cores), ranks))
         # vLLM binds OpenMP threads only in its multiprocess executor; with V1 multiprocessing off (a variable
         # inherited from whoever started Ray) the engine runs in-process and unbound.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -245,7 +256,7 @@ def engine_environment(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1
 def engine_arguments(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1) -> dict[str, object]:
     """vLLM engine arguments for this placement: on GPUs, vLLM's own worker binding (``numactl --physcpubind``
     to the claimed cores, one list per GPU worker) when ``numactl`` is installed; nothing on CPUs."""
-    if not gpu or shutil.which("numactl") is None:
+    if not gpu or placement.binding == "unbound" or shutil.which("numactl") is None:
         return {}
     return {"numa_bind": True, "numa_bind_cpus": vllm_cpu_bind(list(placement.cores), ranks).split("|")}
 
@@ -256,6 +267,8 @@ def engine_binding(placement: ReplicaPlacement, *, gpu: bool, ranks: int = 1) ->
     parallel). CPU build: each rank computes on its own share of the claimed cores, so cores that do not split
     evenly are refused (``PlacementError``, naming the setting to change); GPU build: the cores only host threads,
     so an uneven split leaves vLLM's NUMA binding off instead (logged)."""
+    if placement.binding == "unbound":  # no cores to split: every rank's threads float
+        return engine_environment(placement, gpu=gpu, ranks=ranks), {}
     uneven = len(placement.cores) % ranks != 0
     if uneven and not gpu:
         raise PlacementError(

@@ -25,8 +25,9 @@ from typing import Literal
 import msgspec
 
 HUB_WIRE_VERSION = 2  # 2: a replica reports its layout fingerprint, not one key root (roots are per salt)
-# How a replica's engine threads claim cores (``deployments.cpu_placement``): cores of their own, or shared ones.
-CpuBinding = Literal["exclusive", "shared"]
+# How a replica's engine threads claim cores (``deployments.cpu_placement``): cores of their own, shared ones, or
+# none (the threads unbound: the OS scheduler moves them, as vLLM's ``nobind``).
+CpuBinding = Literal["exclusive", "shared", "unbound"]
 DEFAULT_HUB_NAME = "kvstack-cluster-view"
 
 

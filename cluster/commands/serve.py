@@ -283,8 +283,9 @@ class ServeStack:
             p = r.placement
             shared = f", shares them with {', '.join(p.shared_with)}" if p.shared_with else ""
             workers = "; engine workers: " + ", ".join(f"pid {w.pid} on cpus {w.cpus}" for w in p.engine_workers)
+            bound = "unbound, may run on" if p.binding == "unbound" else "bound to"
             say(f"[kvstack] replica {r.replica_id} on {ips.get(r.node_id, r.node_id[:12])}: {p.threads} engine "
-                f"thread(s) bound to cpus {p.cores} (cpu_binding={p.binding}, numa node {p.numa_nodes}{shared})"
+                f"thread(s) {bound} cpus {p.cores} (cpu_binding={p.binding}, numa node {p.numa_nodes}{shared})"
                 f"{workers if p.engine_workers else ''}")
         if len(reports) < want:
             say(f"[kvstack] placement: {len(reports)} of {want} replicas reported within {deadline_s:.0f} s")

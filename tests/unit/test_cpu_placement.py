@@ -161,3 +161,23 @@ def test_replicas_carry_the_thread_count() -> None:
     assert cfg.replicas.engine_threads() == 2 and cfg.replicas.cpu_binding == "shared"
     assert AppConfig.model_validate({**base, "replicas": {"num_replicas": 1, "num_cpus": 0.5}}
                                     ).replicas.engine_threads() == 1
+
+
+def test_an_unbound_replica_claims_nothing_and_tells_vllm_not_to_bind(tmp_path: Path) -> None:
+    """``cpu_binding: unbound``: no claim file is taken (an exclusive replica can still claim every core), vLLM
+    gets ``nobind`` with the thread count still set, for any number of worker ranks, and no NUMA binding on GPUs."""
+    from deployments.cpu_placement import engine_binding
+
+    claim = claim_cores(2, "unbound", allowed=[0, 1, 2], claims_dir=str(tmp_path))
+    p = claim.placement
+    assert (p.cores, p.threads, p.binding, p.allowed) == ([0, 1, 2], 2, "unbound", [0, 1, 2])
+    other = claim_cores(3, "exclusive", allowed=[0, 1, 2], claims_dir=str(tmp_path))  # nothing was taken
+    assert other.cores == [0, 1, 2]
+    other.release()
+    claim.release()
+    env, args = engine_binding(p, gpu=False, ranks=2)
+    assert env == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert args == {}
+    assert engine_binding(p, gpu=True, ranks=3) == ({"OMP_NUM_THREADS": "1"}, {})
+    with pytest.raises(PlacementError, match="positive"):
+        claim_cores(0, "unbound", allowed=[0], claims_dir=str(tmp_path))
