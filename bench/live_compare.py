@@ -42,13 +42,12 @@ from typing import Any
 import numpy as np
 
 from bench import decision_audit
+from bench.bench_configs import ANCHOR, NO_POOL, check_configs, parse_config
 from bench.serve_process import ServerProcess, log_contains, new_ray_like_processes
 from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHOR = "ray_serve_llm"  # Ray Serve LLM's app and prefix-affinity router over the same engine (bench.ray_serve_llm)
-NO_POOL = "-nopool"  # a configuration POLICY-nopool: kvstack with that policy and the pool off
 DEFAULT_POLICIES = f"{ANCHOR},prefix_affinity{NO_POOL},round_robin,cost_based"
 HEAVY_MODEL = "tiny-qwen3-heavy"
 DEFAULT_SERVE_SET = (
@@ -110,7 +109,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--configs", "--policies", dest="policies", default=DEFAULT_POLICIES,
                         help=f"comma-separated configurations, run in this order: {ANCHOR} (Ray Serve LLM), a kvstack "
-                             f"routing policy (pool on), or POLICY{NO_POOL} (pool off)")
+                             f"routing policy (pool on), or POLICY{NO_POOL} (pool off); NAME@KEY=VALUE adds a serve "
+                             f"override of that configuration's own (bench.bench_configs)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="run every configuration this many times, interleaved: odd rounds in the given order, "
                              "even rounds reversed")
@@ -147,22 +147,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def serve_command(config: str, port: int, serve_set: list[str], work: Path) -> list[str]:
     """The server of one configuration on ``port``: Ray Serve LLM's app (``ANCHOR``) or ``kvstack serve`` with the
     policy (and ``-nopool``: the pool off), its state file and SSD dir under ``work``. Both print "is serving"."""
-    if config == ANCHOR:
+    spec = parse_config(config)
+    if spec.anchor:
         cmd = [sys.executable, "-m", "bench.ray_serve_llm", "--port", str(port)]
     else:
-        policy = config.removesuffix(NO_POOL)
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", policy, "--port", str(port),
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--policy", spec.policy, "--port", str(port),
                "--state-file", str(work / "serve.json"), "--set", f"app.pool.ssd_dir={work / 'ssd'}",
                "--log-dir", str(work / "logs")]
-        if config.endswith(NO_POOL):
+        if not spec.pool:
             cmd += ["--set", "app.pool.enabled=false"]
-    for item in serve_set:
+    for item in [*serve_set, *spec.overrides]:  # the configuration's own overrides last: they win
         cmd += ["--set", item]
     return cmd
 
 
 def is_kvstack(config: str) -> bool:
-    return config != ANCHOR
+    return parse_config(config).kvstack
 
 
 def run_order(configs: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -623,9 +623,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(serve_set)
     try:
         cfg = load_serve_config(DEFAULT_CONFIG, overrides)
-        for p in policies:
-            if is_kvstack(p):
-                load_serve_config(DEFAULT_CONFIG, {**overrides, "app.router.policy": p.removesuffix(NO_POOL)})
+        check_configs(policies, serve_set)
     except Exception as exc:  # noqa: BLE001 - config errors of any kind are usage errors here
         print(f"live_compare: bad serve config: {exc}", file=sys.stderr)
         return 2

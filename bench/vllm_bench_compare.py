@@ -7,7 +7,8 @@
 The outside oracle next to ``bench.live_compare`` (which drives every configuration with kvstack's own agent load
 generator): the load and the TTFT here are measured by ``vllm bench serve`` — vLLM's code, its datasets, its
 clock — through ``bench.vllm_bench_serve``. Configurations are named as in ``bench.live_compare`` (Ray Serve LLM's
-app, ``POLICY`` = ``kvstack serve --policy POLICY`` with the pool, ``POLICY-nopool`` without) and started by the same
+app, ``POLICY`` = ``kvstack serve --policy POLICY`` with the pool, ``POLICY-nopool`` without, ``NAME@KEY=VALUE`` with a
+serve override of its own: ``bench.bench_configs``) and started by the same
 ``serve_command``; one fresh server per configuration and repeat, interleaved (odd rounds in order, even rounds
 reversed), warmed up and — kvstack — its replicas' prefix caches emptied before the run. Every argument after
 ``--`` is ``vllm bench serve``'s; this adds the endpoint, model, tokenizer and ``--save-result --save-detailed`` (every
@@ -31,9 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import decision_audit
+from bench.bench_configs import check_configs
 from bench.live_compare import (
     DEFAULT_SERVE_SET,
     REPO,
+    fetch_decisions,
     is_kvstack,
     run_order,
     serve_command,
@@ -98,6 +102,9 @@ def run_config(args: argparse.Namespace, config: str, repeat: int, work: Path, s
         entry["bench_exit_code"] = proc.returncode
         raw = json.loads((rdir / RESULT_FILE).read_text())
         entry["result"] = raw
+        if is_kvstack(config):  # the router's records of this run's requests: actions, reuse, prediction error
+            entry["decisions"] = fetch_decisions(f"http://127.0.0.1:{port}/v1", len(raw.get("ttfts") or []),
+                                                 rdir / "decisions.json")
         print(f"[vllm-compare] {config} #{repeat}: {raw.get('completed')} completed, {raw.get('failed')} failed, "
               f"TTFT median {raw.get('median_ttft_ms')} ms", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one run's failure is recorded; the next still runs
@@ -128,7 +135,8 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
                      "completed": res.get("completed"), "failed": res.get("failed"),
                      "output_throughput": res.get("output_throughput"), "duration_s": res.get("duration"),
                      "median_ttft_ms": res.get("median_ttft_ms"), "p99_ttft_ms": res.get("p99_ttft_ms"),
-                     "load_avg": [e.get("load_avg_before", [None])[0], e.get("load_avg_after", [None])[0]]})
+                     "load_avg": [e.get("load_avg_before", [None])[0], e.get("load_avg_after", [None])[0]],
+                     "decisions": _decision_line(e.get("decisions"))})
     configs = list(dict.fromkeys(e["config"] for e in entries))
     summary = {c: summarize(ttft.get(c, [])) for c in configs}
     ratios: dict[str, dict[str, Any]] = {}
@@ -149,6 +157,21 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
                 outputs[c] = {"compared": len(both), "equal": sum(ref[i] == texts[c][i] for i in both)}
     return {"configs": configs, "ttft_s": summary, "ratios": ratios, "runs": runs,
             "outputs_vs_first": {"first": configs[0] if configs else None, **outputs}}
+
+
+def _decision_line(audit: dict[str, Any] | None) -> str | None:
+    """One run's decision audit (``bench.decision_audit.summarize``) in a line: requests per action after warm-up
+    with their median |predicted − actual| / actual, the reused share of prompt tokens, the plan check."""
+    if not audit:
+        return None
+    if "error" in audit:
+        return f"no decision records ({audit['error'][:80]})"
+    rel = audit.get("relative_error") or {}
+    acts = ", ".join(f"{a} {v['n']} (err {_f(v['p50'], '.2f')})" for a, v in rel.items() if a != "all" and v["n"])
+    plan = audit.get("plan_check") or {}
+    reused = audit.get("reused_token_fraction")
+    return (f"{acts}; reused {_f(None if reused is None else 100 * reused, '.0f')}% of prompt tokens; plan = "
+            f"engine on {plan.get('equal', 0)}/{plan.get('compared', 0)}")
 
 
 def _f(v: Any, fmt: str = ".3f") -> str:
@@ -177,6 +200,11 @@ def render_report(meta: dict[str, Any], agg: dict[str, Any]) -> str:
                      f"{_f(r['median_ttft_ms'], '.1f')} | {_f(r['p99_ttft_ms'], '.1f')} | "
                      f"{_f(r['output_throughput'], '.1f')} | {_f(la[0], '.1f')}→{_f(la[1], '.1f')} | "
                      f"{(r['error'] or '')[:120]} |")
+    audits = [r for r in agg["runs"] if r.get("decisions")]
+    if audits:
+        lines += ["", f"Decisions (`/kvstack/decisions`, the run's requests; after the first "
+                  f"{decision_audit.DEFAULT_WARMUP}, `bench.decision_audit`):", ""]
+        lines += [f"- {r['config']} #{r['repeat']}: {r['decisions']}" for r in audits]
     if agg["ratios"]:
         lines += ["", f"## Ratios: {meta['subject']} / each (bootstrap 95% interval; < 1: {meta['subject']} faster)",
                   "", "| vs | TTFT p50 | p90 | p99 | mean |", "|---|---|---|---|---|"]
@@ -203,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     serve_set = list(args.serve_set) if args.serve_set else list(DEFAULT_SERVE_SET)
     try:
         cfg = load_serve_config(DEFAULT_CONFIG, parse_overrides(serve_set))
+        check_configs(configs, serve_set)
     except Exception as exc:  # noqa: BLE001 - a config error is a usage error
         print(f"vllm_bench_compare: bad serve config: {exc}", file=sys.stderr)
         return 2

@@ -161,6 +161,26 @@ def test_configurations_start_the_right_server() -> None:
     pool = lc.serve_command("cost_based", 8102, [], work)
     assert pool[pool.index("--policy") + 1] == "cost_based" and "app.pool.enabled=false" not in pool
     assert lc.run_order(["a", "b", "c"], 2) == [(1, "a"), (1, "b"), (1, "c"), (2, "c"), (2, "b"), (2, "a")]
+    own = lc.serve_command("cost_based-nopool@app.replicas.cpu_binding=unbound@x.y=2", 8103, ["x.y=1"], work)
+    assert own[own.index("--policy") + 1] == "cost_based" and "app.pool.enabled=false" in own
+    assert own[-6:] == ["--set", "x.y=1", "--set", "app.replicas.cpu_binding=unbound", "--set", "x.y=2"]
+
+
+def test_configuration_names_and_their_checks() -> None:
+    from bench.bench_configs import check_configs, parse_config
+
+    assert parse_config("ray_serve_llm").anchor and parse_config("ray_serve_llm").policy == "prefix_affinity"
+    spec = parse_config("round_robin@app.replicas.cpu_binding=unbound")
+    assert (spec.kvstack, spec.policy, spec.pool, spec.overrides) == (
+        True, "round_robin", True, ("app.replicas.cpu_binding=unbound",))
+    for bad in ("ray_serve_llm@a=1", "cost_based@novalue", "cost_based@=1"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
+    check_configs(["ray_serve_llm", "cost_based@app.replicas.cpu_binding=unbound"], [])
+    with pytest.raises(Exception, match="cpu_binding"):
+        check_configs(["cost_based@app.replicas.cpu_binding=floating"], [])
+    with pytest.raises(Exception):
+        check_configs(["no_such_policy"], [])
 
 
 def test_repeats_pool_per_configuration_and_outputs_are_compared() -> None:

@@ -39,7 +39,11 @@ def test_the_report_pools_successful_requests_and_compares_outputs_per_prompt() 
         {"config": "ray_serve_llm", "repeat": 1, "result": result([0.4, 0.5, 0.6, 0.0], ["a", "b", "c", ""],
                                                                   ["", "", "", "timeout"])},
         {"config": "cost_based", "repeat": 1, "result": result([0.1, 0.2, 0.3, 0.2], ["a", "b", "x", "d"])},
-        {"config": "cost_based", "repeat": 2, "result": result([0.1, 0.2, 0.3, 0.2], ["a", "b", "c", "d"])},
+        {"config": "cost_based", "repeat": 2, "result": result([0.1, 0.2, 0.3, 0.2], ["a", "b", "c", "d"]),
+         "decisions": {"relative_error": {"fetch": {"n": 3, "p50": 0.21, "p90": 0.4},
+                                          "holder": {"n": 0, "p50": None, "p90": None},
+                                          "all": {"n": 3, "p50": 0.21, "p90": 0.4}},
+                       "reused_token_fraction": 0.5, "plan_check": {"compared": 4, "equal": 4}}},
         {"config": "round_robin", "repeat": 1, "error": "RuntimeError: did not start"},
     ]
     agg = vbc.aggregate(entries, "cost_based")
@@ -56,3 +60,5 @@ def test_the_report_pools_successful_requests_and_compares_outputs_per_prompt() 
     text = vbc.render_report(meta, agg)
     assert "| cost_based | 8 | 0.200 |" in text and "0.40×" in text
     assert "did not start" in text and "cost_based 2/4 equal" in text
+    assert "- cost_based #2: fetch 3 (err 0.21); reused 50% of prompt tokens; plan = engine on 4/4" in text
+    assert vbc._decision_line({"error": "ConnectError: refused"}) == "no decision records (ConnectError: refused)"
