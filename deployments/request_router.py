@@ -41,8 +41,8 @@ class DecisionRequestRouter(RequestRouter):
     """No ``FIFOMixin``: with it, Serve hands the replica chosen for one request to the *oldest* pending request,
     so under concurrency a decision would land on another request. The base class matches the chosen replica to
     the exact request it was chosen for, by Serve's internal request id — which handle calls made inside one
-    incoming request share unless the caller gives each its own (``router.engine_client`` does, for the prompts of
-    a batch) or issues them one at a time (``OpenAIIngress.reset_prefix_cache``)."""
+    incoming request share unless the caller gives each its own (``router.replica_calls.own_serve_request_id``:
+    every generate and control call of the ingress)."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -19,18 +19,16 @@ Who calls what: ``router.vllm_frontend`` builds vLLM's ``OpenAIServingChat`` / `
 The first chunk's arrival is the request's TTFT (``LiveView.record_first_token``: regret, calibration), the last
 chunk's pool timing joins the decision's timeline; a keyed tenant's tokens (prompt + generated) are charged to its
 rate limit when the request ends (``router.access.AccessGate.charge``). Each replica call carries a Serve request
-id of its own (``_own_serve_request_id``), so the prompts of one batched request never wait on each other's
+id of its own (``router.replica_calls.own_serve_request_id``), so the prompts of one batched request never wait on each other's
 routing. Closing the iterator early (client gone, ``abort``) cancels the replica's call, which aborts the engine
 request there and releases its KV blocks and pool leases.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +41,7 @@ from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.sampling_params import RequestOutputKind
 
 from router import access
+from router.replica_calls import own_serve_request_id
 from router.wire import GenerateChunk, GenerateRequest, TokenLogprob, encode_sampling_params
 
 SUPPORTED_TASKS = ("generate",)
@@ -82,24 +81,6 @@ def request_output(request_id: str, prompt_text: str | None, prompt_token_ids: l
         prompt_logprobs = [None if row is None else _logprob_dict(row) for row in chunk.prompt_logprobs]
     return RequestOutput(request_id, prompt_text, prompt_token_ids, prompt_logprobs, [completion],
                          finished=chunk.finished, num_cached_tokens=chunk.cached_tokens)
-
-
-@contextlib.contextmanager
-def _own_serve_request_id() -> Iterator[None]:
-    """A Serve handle call made inside this block gets an internal request id of its own. Serve otherwise reuses the
-    incoming HTTP request's, and its request router matches a chosen replica to the pending call by that id, so the
-    concurrent calls of one HTTP request (the prompts of a batched completion) would be confused and one would wait
-    forever. (Ray 2.60's request context; the one place kvstack touches it.)"""
-    from ray.serve import context as serve_context
-    from ray.serve._private.utils import generate_request_id
-
-    current = serve_context._get_serve_request_context()
-    token = serve_context._serve_request_context.set(
-        dataclasses.replace(current, _internal_request_id=generate_request_id()))
-    try:
-        yield
-    finally:
-        serve_context._serve_request_context.reset(token)
 
 
 class RoutedEngineClient(EngineClient):
@@ -172,7 +153,7 @@ class RoutedEngineClient(EngineClient):
     async def _outputs(self, request: GenerateRequest, routed: Any, prompt_text: str | None, final_only: bool,
                        arrived: float, trace: RouteTrace | None) -> AsyncGenerator[RequestOutput, None]:
         sent = time.monotonic()
-        with _own_serve_request_id():
+        with own_serve_request_id():
             call = self._streaming.generate.remote(request)
         self._calls[request.request_id] = call
         first_at: float | None = None

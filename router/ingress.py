@@ -184,19 +184,15 @@ class OpenAIIngress:
                         media_type=CONTENT_TYPE_LATEST)
 
     async def _each_replica(self, op: str, timeout_s: float = 30.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """``op`` on every replica this router knows, with each one's reply (an error reply when it failed).
-        One call at a time: handle calls made inside one HTTP request share Serve's internal request id, and the
-        request router matches a routing decision to its request by that id (see deployments.request_router)."""
-        from router.wire import ControlRequest
+        """``op`` on every replica this router knows, with each one's reply (an error reply when it failed or missed
+        its deadline): concurrent calls, each with a Serve request id of its own (``router.replica_calls``)."""
+        from router.replica_calls import call_each
 
         out: list[tuple[dict[str, Any], dict[str, Any]]] = []
         for route in self.models.values():
-            for row in route.view.replica_rows():
-                call = route.replicas.control.remote(ControlRequest(target_replica=row["replica_id"], op=op))
-                try:
-                    out.append((row, await asyncio.wait_for(call, timeout=timeout_s)))
-                except Exception as exc:  # noqa: BLE001 - reported per replica
-                    out.append((row, {"replica_id": row["replica_id"], "ok": False, "error": str(exc)}))
+            rows = route.view.replica_rows()
+            replies = await call_each(route.replicas, [row["replica_id"] for row in rows], op, timeout_s)
+            out += zip(rows, replies)
         return out
 
     async def _model_cards(self) -> list[Any]:
