@@ -42,7 +42,17 @@ def _quantiles(values: list[float]) -> dict[str, Any]:
 
 
 def outside_router(ordered: Sequence[Mapping[str, Any]], requests: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Client TTFT − router TTFT per matched request (``ordered``: the records by decision time)."""
+    """Client TTFT − router TTFT per matched request (``ordered``: the records by decision time): quantiles, max,
+    mean and how requests were matched."""
+    gaps, matched_by = outside_router_gaps(ordered, requests)
+    out = _quantiles(gaps)
+    out.update(max=max(gaps) if gaps else None, mean=float(np.mean(gaps)) if gaps else None, matched_by=matched_by)
+    return out
+
+
+def outside_router_gaps(ordered: Sequence[Mapping[str, Any]], requests: Iterable[Mapping[str, Any]]
+                        ) -> tuple[list[float], str]:
+    """(client TTFT − router TTFT of every matched request, how they were matched)."""
     timed = [r for r in requests if r.get("ttft_s") is not None and not r.get("error")]
     by_id = {str(r.get("request_id")): r for r in ordered if r.get("actual_ttft_s") is not None}
     gaps: list[float] = []
@@ -61,9 +71,7 @@ def outside_router(ordered: Sequence[Mapping[str, Any]], requests: Iterable[Mapp
             same = queues.get(int(q.get("prompt_tokens") or -2))
             if same:
                 gaps.append(float(q["ttft_s"]) - float(same.pop(0)["actual_ttft_s"]))
-    out = _quantiles(gaps)
-    out.update(max=max(gaps) if gaps else None, mean=float(np.mean(gaps)) if gaps else None, matched_by=matched_by)
-    return out
+    return gaps, matched_by
 
 
 def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WARMUP,

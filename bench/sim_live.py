@@ -19,9 +19,12 @@ log and decision records) and simulates every configuration on what that run saw
   computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed cost
   per prefill), the pool's calls for the scheduler (lookup + lease; a load's whole wait on the pool from the
   engine's first ask, ``PoolRequestTiming.wait_s``, where recorded) as a per-prefill cost, and as a per-request
-  cost the ingress + transport time plus the time outside the router's view (the client's TTFT less the
-  router's, median: HTTP proxy, client, queues before the ingress; ``bench.decision_audit.outside_router``). The
-  anchor has no timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
+  cost the ingress + transport time (median) plus the time outside the router's view (the client's TTFT less the
+  router's: HTTP proxy, client, a starved machine; ``bench.decision_audit.outside_router_gaps``), drawn per
+  simulated request from the run's own gaps (seeded): that time has a heavy tail (on a 2-core box, means 2-9× the
+  median), it queues nothing the simulator models, and a median alone misses it. The engine's prefill rate is fitted
+  once, on every configuration's prefills (the same engine arguments and placement everywhere). The anchor has no
+  timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
 the order of the configurations by p50.
 
@@ -41,13 +44,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bench.bench_configs import parse_config
 from bench.traces import TraceRecord
 from cluster.cli_output import print_document
 
 #: What "within" means for the simulator against the live run (issue 13, item 6).
 TOLERANCE = 0.25
-ANCHOR = "ray_serve_llm"
-NO_POOL = "-nopool"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,25 +93,23 @@ class LiveCosts:
 
     mfu: float
     prefill_overhead_s: float  # the fitted fixed cost of a prefill (intercept), plus the pool's scheduler calls
-    request_overhead_s: float  # ingress + transport, median, plus outside_router_s
+    request_overhead_s: float  # ingress + transport, median
     prefills: int  # prefills the fit saw
     pool_calls_s: float  # lookup + lease (a load's whole wait on the pool) per request, median (0 without the pool)
     outside_router_s: float = 0.0  # client TTFT − router TTFT, median (HTTP proxy, client): no timeline sees it
+    outside_router_gaps: tuple[float, ...] = ()  # every matched request's gap (≥ 0): the simulator draws from them
     peak_tflops: float = 0.0  # the profile's peak as the fit raised it (0: the profile's own), as the router does
 
 
-def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
-               requests: Sequence[Mapping[str, Any]] | None = None) -> LiveCosts | None:
-    """Fit the engine's prefill (MFU + fixed cost) and the per-request costs from a run's decision records (and,
-    with the client's ``requests``, the time outside the router's view: ``bench.decision_audit.outside_router``);
-    None when the records carry no timeline."""
-    from router.calibration import MfuEstimator
+Prefill = tuple[int, int, float]  # (prompt tokens, cached tokens, seconds from scheduled to the first token)
 
-    est = MfuEstimator(hw, halflife=1e9, min_obs=5)
-    outside: list[float] = []
-    pool: list[float] = []
-    prefills = []  # (replica, scheduled, first token, prompt, cached): the engine's own timestamps
-    for r in sorted(records, key=lambda r: float(r.get("decided_at") or 0.0)):
+
+def engine_prefills(records: Sequence[Mapping[str, Any]]) -> list[Prefill]:
+    """The prefills one run's records timed on the engine's own clock, to fit its rate on: those no other prefill
+    of the same replica overlapped (the engine shares its compute among those in flight; the simulator models that
+    sharing itself), all of them when fewer than 5 ran alone."""
+    timed = []  # (replica, scheduled, first token, prompt, cached): the engine's own timestamps
+    for r in records:
         tl = r.get("timeline") or {}
         rep = tl.get("replica") or {}
         cached = r.get("actual_cached_tokens")
@@ -118,7 +120,27 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
             t0, t1 = at + float(rep["scheduled_s"]), at + float(rep["first_token_s"])
             prompt = int(r.get("prompt_tokens") or 0)
             if t1 > t0 and prompt > int(cached):
-                prefills.append((str(r.get("replica_id")), t0, t1, prompt, int(cached)))
+                timed.append((str(r.get("replica_id")), t0, t1, prompt, int(cached)))
+    solo = [p for p in timed if not any(q is not p and q[0] == p[0] and q[1] < p[2] and p[1] < q[2] for q in timed)]
+    return [(prompt, cached, t1 - t0) for _rid, t0, t1, prompt, cached in (solo if len(solo) >= 5 else timed)]
+
+
+def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
+               requests: Sequence[Mapping[str, Any]] | None = None, *,
+               prefills: Sequence[Prefill] | None = None) -> LiveCosts | None:
+    """Fit the engine's prefill (MFU + fixed cost) and the per-request costs from a run's decision records (and,
+    with the client's ``requests``, the time outside the router's view: ``bench.decision_audit.outside_router``);
+    None when the records carry no timeline. ``prefills`` (``engine_prefills`` of several runs pooled) replaces
+    the run's own prefills in the engine fit: every configuration runs the same engine with the same placement,
+    and a pool-on run alone times mostly short suffixes after a fetch, whose fit extrapolates badly to the full
+    prompts it recomputes."""
+    from router.calibration import MfuEstimator
+
+    est = MfuEstimator(hw, halflife=1e9, min_obs=5)
+    outside: list[float] = []
+    pool: list[float] = []
+    for r in records:
+        tl = r.get("timeline") or {}
         if tl.get("ingress_s") is not None and tl.get("transport_s") is not None:
             outside.append(float(tl["ingress_s"]) + float(tl["transport_s"]))
         p = tl.get("pool")
@@ -126,28 +148,42 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
             # Its pool calls; a load's whole wait on the pool from the engine's first ask when it was recorded.
             calls = float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0)
             pool.append(max(calls, float(p.get("wait_s") or 0.0)))
-    # The engine's rate is what one prefill alone costs: fit the prefills no other prefill of the same replica
-    # overlapped (the engine shares its compute among those in flight; the simulator models that sharing itself),
-    # all of them when fewer than 5 ran alone.
-    solo = [p for p in prefills if not any(q is not p and q[0] == p[0] and q[1] < p[2] and p[1] < q[2]
-                                           for q in prefills)]
-    fit = solo if len(solo) >= 5 else prefills
-    for _rid, t0, t1, prompt, cached in fit:
-        est.observe(prompt, cached, t1 - t0)
+    fit = list(prefills) if prefills is not None else engine_prefills(records)
+    for prompt, cached, seconds in fit:
+        est.observe(prompt, cached, seconds)
     n = len(fit)
-    if n == 0 and not outside:
-        return None
+    if not outside and not (engine_prefills(records) if prefills is not None else fit):
+        return None  # the records carry no timeline
     pool_s = statistics.median(pool) if pool else 0.0
-    gap = 0.0
+    gaps: list[float] = []
     if requests:
-        from bench.decision_audit import outside_router
+        from bench.decision_audit import outside_router_gaps
 
         ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
-        gap = max(0.0, float(outside_router(ordered, requests).get("p50") or 0.0))
+        gaps = [max(0.0, g) for g in outside_router_gaps(ordered, requests)[0]]
     fitted = est.hardware()  # MFU on the router's grid; a profile slower than the engine gets its peak raised
-    return LiveCosts(mfu=fitted.mfu, peak_tflops=fitted.gpu.bf16_tflops, prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
-                     request_overhead_s=(statistics.median(outside) if outside else 0.0) + gap, prefills=n,
-                     pool_calls_s=pool_s, outside_router_s=gap)
+    return LiveCosts(mfu=fitted.mfu, peak_tflops=fitted.gpu.bf16_tflops,
+                     prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
+                     request_overhead_s=statistics.median(outside) if outside else 0.0, prefills=n,
+                     pool_calls_s=pool_s, outside_router_s=statistics.median(gaps) if gaps else 0.0,
+                     outside_router_gaps=tuple(gaps))
+
+
+def with_outside_router(ttft_s: np.ndarray, costs: LiveCosts | None, rng: np.random.Generator) -> np.ndarray:
+    """Simulated TTFTs plus, per request, a time outside the router's view drawn from the run's own gaps (module
+    docstring); unchanged without gaps."""
+    if costs is None or not costs.outside_router_gaps:
+        return ttft_s
+    return ttft_s + rng.choice(np.asarray(costs.outside_router_gaps), size=len(ttft_s))
+
+
+def _costs_row(c: LiveCosts | None) -> dict[str, Any] | None:
+    """A configuration's costs for the report: its outside-the-router gaps as their count, not every value."""
+    if c is None:
+        return None
+    row = dataclasses.asdict(c)
+    row["outside_router_gaps"] = len(c.outside_router_gaps)
+    return row
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -162,12 +198,9 @@ def _serve_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def policy_of(config: str) -> tuple[str, bool]:
-    """(kvstack policy, pool on) that simulates a live configuration."""
-    if config == ANCHOR:
-        return "prefix_affinity", False
-    if config.endswith(NO_POOL):
-        return config[: -len(NO_POOL)], False
-    return config, True
+    """(kvstack policy, pool on) that simulates a live configuration (Ray Serve LLM's: pool-less prefix affinity)."""
+    spec = parse_config(config)
+    return spec.policy, spec.pool
 
 
 def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
@@ -204,15 +237,23 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     shared = int(sizing["shared_prefix_tokens"])
     tiers = TierMap.from_tiers(load_tiers())
 
-    costs: dict[str, LiveCosts] = {}
+    records: dict[str, list[dict[str, Any]]] = {}  # the first run of a configuration prices all of its runs
     for e in entries:
         f = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
-        if f.exists():
-            got = live_costs(json.loads(f.read_text()), base_hw, e["result"].get("request_log"))
+        if f.exists() and e["policy"] not in records:
+            records[e["policy"]] = json.loads(f.read_text())
+    # One engine everywhere (same arguments, same placement): its prefill rate fitted on every run's prefills.
+    engine = [p for recs in records.values() for p in engine_prefills(recs)]
+    costs: dict[str, LiveCosts] = {}
+    for e in entries:
+        config = e["policy"]
+        if config in records and config not in costs:
+            got = live_costs(records[config], base_hw, e["result"].get("request_log"), prefills=engine)
             if got is not None:
-                costs.setdefault(e["policy"], got)  # the first run of a configuration prices all of its runs
-    fallback = next((costs[c] for c in costs if c.endswith(NO_POOL)), next(iter(costs.values()), None))
+                costs[config] = got
+    fallback = next((costs[c] for c in costs if not parse_config(c).pool), next(iter(costs.values()), None))
 
+    rng = np.random.default_rng(0)
     runs: list[dict[str, Any]] = []
     live: dict[str, list[float]] = {}
     sim: dict[str, list[float]] = {}
@@ -234,13 +275,14 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
             request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch"))
+        sim_ttft = with_outside_router(result.ttft_s, c, rng)
         live_ttft = ttfts(e["result"])
         live.setdefault(config, []).extend(live_ttft)
-        sim.setdefault(config, []).extend(result.ttft_s.tolist())
+        sim.setdefault(config, []).extend(sim_ttft.tolist())
         runs.append({"run": run_label(e), "configuration": config, "policy": policy, "pool": pool,
-                     "requests": len(trace), "costs": dataclasses.asdict(c) if c else None,
+                     "requests": len(trace), "costs": _costs_row(c),
                      "costs_from": config if config in costs else "fallback",
-                     "live_ttft_s": summarize(live_ttft), "sim_ttft_s": summarize(result.ttft_s),
+                     "live_ttft_s": summarize(live_ttft), "sim_ttft_s": summarize(sim_ttft),
                      "sim_decisions": result.decisions, "sim_hit_rate_by_tier": result.hit_rate_by_tier()})
 
     configs = []
@@ -271,7 +313,8 @@ def render(doc: Mapping[str, Any]) -> str:
              f"Work dir `{doc['work_dir']}`; simulated cluster: {cl['nodes']} nodes × {cl['replicas_per_node']} "
              f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica, pool DRAM {cl['pool_dram_tokens']:.0f} "
              f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}` with "
-             f"the MFU and per-prefill cost fitted to each configuration's live prefills.", "",
+             f"the MFU and per-prefill cost fitted to every configuration's live prefills together, and the time "
+             f"outside the router's view drawn per request from the configuration's own run.", "",
              "| configuration | live p50 | sim p50 | sim/live p50 | live mean | sim mean | sim/live mean | within "
              f"{doc['tolerance']:.0%} |", "|---|---|---|---|---|---|---|---|"]
     for c in doc["configurations"]:
@@ -287,8 +330,9 @@ def render(doc: Mapping[str, Any]) -> str:
         lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e} of {peak:.3g} "
                      "TFLOPS, per prefill "
                      f"{c.get('prefill_overhead_s', 0.0):.3f} s (pool calls {c.get('pool_calls_s', 0.0):.3f} s), "
-                     f"per request {c.get('request_overhead_s', 0.0):.3f} s (outside the router "
-                     f"{c.get('outside_router_s', 0.0):.3f} s) ({r['costs_from']}); sim decisions "
+                     f"per request {c.get('request_overhead_s', 0.0):.3f} s plus the time outside the router "
+                     f"(median {c.get('outside_router_s', 0.0):.3f} s, {c.get('outside_router_gaps', 0)} drawn from) "
+                     f"({r['costs_from']}); sim decisions "
                      f"{r['sim_decisions']}")
     return "\n".join(lines) + "\n"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.agent import AgentWorkload, plan_sessions, workload_trace
-from bench.sim_live import live_costs, live_trace, policy_of
+from bench.sim_live import engine_prefills, live_costs, live_trace, policy_of
 from bench.simulate import SimConfig, connector_pick, simulate
 from configs.loader import load_gpus, load_models, load_tiers
 from router.cost import Hardware, prefill_flops
@@ -64,7 +64,25 @@ def test_live_costs_fit_the_engine_prefill_and_the_per_request_costs() -> None:
     client = [{"response_id": f"c{i}", "ttft_s": 1.0 + 0.1 * i, "sent_at_s": float(i)} for i in range(6)]
     with_client = live_costs(ids, HW, client)
     assert with_client is not None and with_client.outside_router_s == pytest.approx(0.25)
-    assert with_client.request_overhead_s == pytest.approx(0.03 + 0.25)
+    assert with_client.request_overhead_s == pytest.approx(0.03)  # the gaps are drawn per request instead
+    assert with_client.outside_router_gaps == pytest.approx((0.0, 0.1, 0.2, 0.3, 0.4, 0.5))
+    # one engine everywhere: prefills given from other runs replace the run's own in the fit
+    faster = [(p, c, s / 2) for p, c, s in engine_prefills(recs)]
+    pooled = live_costs(recs, HW, prefills=faster)
+    assert pooled is not None and pooled.mfu == pytest.approx(0.2, rel=0.011)
+
+
+def test_the_time_outside_the_router_is_drawn_per_request_from_the_runs_gaps() -> None:
+    import numpy as np
+
+    from bench.sim_live import LiveCosts, with_outside_router
+
+    base = np.full(4000, 0.1)
+    assert with_outside_router(base, None, np.random.default_rng(0)) is base
+    costs = LiveCosts(mfu=0.1, prefill_overhead_s=0.0, request_overhead_s=0.0, prefills=0, pool_calls_s=0.0,
+                      outside_router_gaps=(0.0, 0.0, 0.0, 1.0))  # a heavy tail: the median alone would add 0
+    out = with_outside_router(base, costs, np.random.default_rng(0))
+    assert set(np.round(out - base, 6)) == {0.0, 1.0} and float(np.mean(out - base)) == pytest.approx(0.25, abs=0.03)
 
 
 def test_policy_of_maps_the_anchor_and_the_pool_off_configurations() -> None:
