@@ -132,8 +132,7 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
     with the client's ``requests``, the time outside the router's view: ``bench.decision_audit.outside_router``);
     None when the records carry no timeline. ``prefills`` (``engine_prefills`` of several runs pooled) replaces
     the run's own prefills in the engine fit: every configuration runs the same engine with the same placement,
-    and a pool-on run alone times mostly short suffixes after a fetch, whose fit extrapolates badly to the full
-    prompts it recomputes."""
+    and a pool-on run alone times mostly short suffixes after a fetch, so its own fit sees few full prompts."""
     from router.calibration import MfuEstimator
 
     est = MfuEstimator(hw, halflife=1e9, min_obs=5)

@@ -19,9 +19,9 @@ Who calls what: ``router.vllm_frontend`` builds vLLM's ``OpenAIServingChat`` / `
 The first chunk's arrival is the request's TTFT (``LiveView.record_first_token``: regret, calibration), the last
 chunk's pool timing joins the decision's timeline; a keyed tenant's tokens (prompt + generated) are charged to its
 rate limit when the request ends (``router.access.AccessGate.charge``). Each replica call carries a Serve request
-id of its own (``router.replica_calls.own_serve_request_id``), so the prompts of one batched request never wait on each other's
-routing. Closing the iterator early (client gone, ``abort``) cancels the replica's call, which aborts the engine
-request there and releases its KV blocks and pool leases.
+id of its own (``router.replica_calls.own_serve_request_id``), so the prompts of one batched request never wait on
+each other's routing. Closing the iterator early (client gone, ``abort``) cancels the replica's call, which aborts
+the engine request there and releases its KV blocks and pool leases.
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@ operator fan-out (one ``ControlRequest`` to every replica, each with its own dea
 Why an id of its own: a Serve handle call made while an HTTP request is handled reuses that request's internal id,
 and Serve's request router (``deployments.request_router``) matches a chosen replica to a pending call by that id.
 Calls of one HTTP request made concurrently (the prompts of a batched completion) would be confused, and one
-would wait forever; calls made one after another still shared the id, so a control call stuck on a replica that
-had just died (its target is never offered again; it waits for its deadline) held up the next one, to a live
-replica, in the same HTTP request (seen in the fault tests: both timed out).
+would wait forever. Calls made one after another shared it too: a control call stuck on a replica that had just
+died (its target is never offered again; it waits for its deadline) could hold up the next one, to a live replica,
+in the same HTTP request (the likely cause of a fault-test failure in which both timed out).
 
-Who calls what: ``router.engine_client.RoutedEngineClient`` issues every generate call inside ``own_serve_request_id``;
-``OpenAIIngress`` (``/metrics``: each replica's engine metrics; ``/kvstack/admin/reset_prefix_cache``) calls
-``call_each(handle, replica_ids, op, timeout_s)``: concurrent calls, one reply per replica in the given order, an
-error reply (``ok: False`` and the exception's type and message) for a call that failed or missed its deadline.
+Who calls what: ``router.engine_client.RoutedEngineClient`` issues every generate call inside
+``own_serve_request_id``; ``OpenAIIngress`` (``/metrics``: each replica's engine metrics;
+``/kvstack/admin/reset_prefix_cache``) calls ``call_each(handle, replica_ids, op, timeout_s)``: concurrent calls,
+one reply per replica in the given order, an error reply (``ok: False`` and the exception's type and message) for a
+call that failed or missed its deadline.
 """
 
 from __future__ import annotations
