@@ -147,12 +147,13 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
             # Its pool calls; a load's whole wait on the pool from the engine's first ask when it was recorded.
             calls = float(p.get("lookup_s") or 0.0) + float(p.get("lease_s") or 0.0)
             pool.append(max(calls, float(p.get("wait_s") or 0.0)))
-    fit = list(prefills) if prefills is not None else engine_prefills(records)
+    own = engine_prefills(records)
+    if not outside and not own:
+        return None  # the records carry no timeline
+    fit = list(prefills) if prefills is not None else own
     for prompt, cached, seconds in fit:
         est.observe(prompt, cached, seconds)
     n = len(fit)
-    if not outside and not (engine_prefills(records) if prefills is not None else fit):
-        return None  # the records carry no timeline
     pool_s = statistics.median(pool) if pool else 0.0
     gaps: list[float] = []
     if requests:
