@@ -43,7 +43,8 @@ import numpy as np
 
 from bench import decision_audit
 from bench.bench_configs import ANCHOR, NO_POOL, check_configs, parse_config
-from bench.serve_process import ServerProcess, log_contains, new_ray_like_processes
+from bench.serve_process import (ServerProcess, log_contains, new_ray_like_processes, scheduling_facts,
+                                 scheduling_line)
 from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
 
@@ -234,7 +235,7 @@ def stop_server(server: ServerProcess, rdir: Path, deadline_s: float) -> dict[st
     """Stop one run's server (its whole session) and return its summary. Once it is gone, its pool shards' SSD
     tier files (``serve_command`` puts them under ``rdir``; preallocated, ~1 GiB per shard) go too: they outlive
     the server and are not worth keeping."""
-    server.stop(deadline_s, reap_session=True)
+    server.stop(deadline_s, reap=True)
     if not server.running():
         shutil.rmtree(rdir / "ssd", ignore_errors=True)
     return server.summary()
@@ -260,6 +261,7 @@ def run_policy(args: argparse.Namespace, policy: str, work: Path, serve_set: lis
         print(f"[live-compare] {policy} #{repeat}: starting on :{port}", file=sys.stderr, flush=True)
         server.start()
         server.wait_ready(log_contains(serve_log, "is serving"), args.ready_timeout_s)
+        entry["scheduling"] = scheduling_facts(server.proc.pid if server.proc else None)
         print(f"[live-compare] {policy}: serving after {server.ready_s:.0f} s; warming up", file=sys.stderr, flush=True)
         entry["warmup"] = warm_up(endpoint, model, args.warmup_requests, reset=is_kvstack(policy))
         time.sleep(2.0)  # let the routers see the emptied caches
@@ -460,6 +462,7 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
              f"the pool off. One fresh server per run, in the order "
              + ", ".join(f"{c} #{r}" for r, c in order) + ".", "",
              "Command:", "", "```", meta["command"], "```", "",
+             scheduling_line([r["scheduling"] for r in payload.get("runs", []) if r.get("scheduling")]), "",
              "Engine placement per policy (threads, cores per replica): " + "; ".join(
                  f"{pol}: " + ", ".join(f"{p.get('threads')}×{p.get('cores')}" for p in (pl or []))
                  for pol, pl in agg.get("placement", {}).items())

@@ -88,14 +88,15 @@ def _label(proc: Any) -> str:
     return " ".join(Path(cmd[0]).name if i == 0 else c for i, c in enumerate(cmd[:3]))[:100] if cmd else proc.name()
 
 
-def session_rss(pid: int) -> dict[int, dict[str, Any]]:
-    """RSS (MiB) and a label for every live process of ``pid``'s session."""
+def server_rss(pid: int) -> dict[int, dict[str, Any]]:
+    """RSS (MiB) and a label for every live process of the server whose main process is ``pid``
+    (``bench.serve_process.server_pids``)."""
     import psutil
 
-    from bench.serve_process import session_pids
+    from bench.serve_process import server_pids
 
     out: dict[int, dict[str, Any]] = {}
-    for p in session_pids(os.getsid(pid)):
+    for p in server_pids(pid):
         try:
             proc = psutil.Process(p)
             out[p] = {"label": _label(proc), "rss_mib": round(proc.memory_info().rss / MIB, 1)}
@@ -121,7 +122,7 @@ def rss_change(start: dict[int, dict[str, Any]], end: dict[int, dict[str, Any]])
 
 
 class RssSampler:
-    """``session_rss(pid)`` every ``interval_s`` on a thread of its own, from ``start()`` to ``stop()`` (which takes
+    """``server_rss(pid)`` every ``interval_s`` on a thread of its own, from ``start()`` to ``stop()`` (which takes
     one last sample): ``samples`` is [(seconds since start, {pid: {label, rss_mib}})]."""
 
     def __init__(self, pid: int, interval_s: float, measure: Any = None) -> None:
@@ -130,7 +131,7 @@ class RssSampler:
         if interval_s <= 0:
             raise ValueError(f"rss interval must be positive, got {interval_s}")
         self.pid, self.interval_s = pid, interval_s
-        self._measure = measure or session_rss
+        self._measure = measure or server_rss
         self.samples: list[tuple[float, dict[int, dict[str, Any]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
@@ -260,7 +261,7 @@ def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) ->
     """Steps 2-5 of the module docstring against a serving ``endpoint``."""
     from bench.loadgen import summarize_records
 
-    rss_start = session_rss(server_pid) if server_pid else {}
+    rss_start = server_rss(server_pid) if server_pid else {}
     before = metrics_text(endpoint)
     t0 = time.monotonic()
     print(f"[soak] {args.duration_s:.0f} s at {args.in_flight} sessions in flight", file=sys.stderr, flush=True)
@@ -272,7 +273,7 @@ def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) ->
     wall = time.monotonic() - t0
     after = metrics_text(endpoint)
     pool = pool_state(endpoint)
-    rss_end = session_rss(server_pid) if server_pid else {}
+    rss_end = server_rss(server_pid) if server_pid else {}
     summary = summarize_records(records, wall)
     result: dict[str, Any] = {
         "schema": SCHEMA, "endpoint": endpoint, "model": model, "wall_s": round(wall, 1),
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         result = soak(endpoint, pid, args, out)
     finally:
         if server is not None:
-            server.stop(60.0, reap_session=True)
+            server.stop(60.0, reap=True)
     text = json.dumps(result, indent=2, sort_keys=True)
     (out / "result.json").write_text(text)
     if args.json:

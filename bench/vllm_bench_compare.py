@@ -44,7 +44,7 @@ from bench.live_compare import (
     stop_server,
     warm_up,
 )
-from bench.serve_process import ServerProcess, log_contains
+from bench.serve_process import ServerProcess, log_contains, scheduling_facts, scheduling_line
 from bench.stats import ratio_with_ci, summarize
 from cluster.local_cluster import free_port
 
@@ -92,6 +92,7 @@ def run_config(args: argparse.Namespace, config: str, repeat: int, work: Path, s
         print(f"[vllm-compare] {config} #{repeat}: starting on :{port}", file=sys.stderr, flush=True)
         server.start()
         server.wait_ready(log_contains(rdir / "serve.log", "is serving"), args.ready_timeout_s)
+        entry["scheduling"] = scheduling_facts(server.proc.pid if server.proc else None)
         entry["warmup"] = warm_up(f"http://127.0.0.1:{port}/v1", model, args.warmup_requests,
                                   reset=is_kvstack(config))
         time.sleep(2.0)  # the routers see the emptied caches
@@ -136,7 +137,7 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
                      "output_throughput": res.get("output_throughput"), "duration_s": res.get("duration"),
                      "median_ttft_ms": res.get("median_ttft_ms"), "p99_ttft_ms": res.get("p99_ttft_ms"),
                      "load_avg": [e.get("load_avg_before", [None])[0], e.get("load_avg_after", [None])[0]],
-                     "decisions": _decision_line(e.get("decisions"))})
+                     "decisions": _decision_line(e.get("decisions")), "scheduling": e.get("scheduling")})
     configs = list(dict.fromkeys(e["config"] for e in entries))
     summary = {c: summarize(ttft.get(c, [])) for c in configs}
     ratios: dict[str, dict[str, Any]] = {}
@@ -186,6 +187,7 @@ def render_report(meta: dict[str, Any], agg: dict[str, Any]) -> str:
         f"{', '.join(f'{c} #{r}' for r, c in meta['run_order'])}. The load and every TTFT are vLLM's own "
         "(`vllm.benchmarks.serve` through `bench.vllm_bench_serve`).", "",
         "Command:", "", "```", meta["command"], "```", "",
+        scheduling_line([r["scheduling"] for r in agg["runs"] if r.get("scheduling")]), "",
         "## TTFT per configuration (every repeat's successful requests pooled)", "",
         "| configuration | n | p50 s | p90 | p99 | mean |", "|---|---|---|---|---|---|",
     ]

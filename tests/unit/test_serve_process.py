@@ -1,18 +1,22 @@
 """bench.serve_process: a real subprocess started, waited for (log readiness, early exit, deadline) and stopped
-(SIGTERM honoured; SIGTERM ignored -> SIGKILL of its group; its session reaped)."""
+(SIGTERM honoured; SIGTERM ignored -> SIGKILL of its group; its tagged processes reaped, also one that left the
+group). The server stays in the caller's session and autogroup, so the kernel schedules its threads and the load
+generator's as peers."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.serve_process import ServerProcess, log_contains, session_pids
+from bench.serve_process import ServerProcess, log_contains, scheduling_facts, server_pids, tagged_pids
 
 READY_THEN_SLEEP = "import time; print('is serving', flush=True); time.sleep(60)"
-IGNORE_TERM = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+# its child leaves the group, as Ray's reaper does (os.setpgrp): killing the group does not reach it, the tag does
+IGNORE_TERM = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=os.setpgrp); "
                "print('is serving', flush=True); time.sleep(60)")
 
 
@@ -24,22 +28,27 @@ def test_ready_then_sigterm(tmp_path: Path) -> None:
     s = _server(tmp_path, READY_THEN_SLEEP)
     s.start()
     assert s.wait_ready(log_contains(s.log, "is serving"), 30.0) >= 0.0
-    assert s.running()
-    s.stop(10.0, reap_session=True)
+    assert s.running() and s.proc is not None
+    assert os.getsid(s.proc.pid) == os.getsid(0) and os.getpgid(s.proc.pid) == s.proc.pid
+    assert server_pids(s.proc.pid) == s.pids() == [s.proc.pid]
+    facts = scheduling_facts(s.proc.pid)
+    if facts["sched_autogroup_enabled"] is not None and os.path.exists("/proc/self/autogroup"):
+        assert facts["server_shares_client_autogroup"] is True
+    s.stop(10.0, reap=True)
     assert not s.running()
     assert (s.exit_code, s.killed, s.leftover_pids) == (-15, False, [])
     assert s.summary()["log"] == str(s.log)
 
 
-def test_sigterm_ignored_kills_the_group_and_reaps_the_session(tmp_path: Path) -> None:
+def test_sigterm_ignored_kills_the_group_and_reaps_the_tagged_processes(tmp_path: Path) -> None:
     s = _server(tmp_path, IGNORE_TERM)
     s.start()
     s.wait_ready(log_contains(s.log, "is serving"), 30.0)
     assert s.proc is not None
-    sid = s.proc.pid
-    s.stop(0.5, reap_session=True)
+    assert len(s.pids()) == 2  # the server and the child that left its group
+    s.stop(0.5, reap=True)
     assert s.killed and s.exit_code == -9
-    assert session_pids(sid) == [] and s.still_alive_pids == []
+    assert len(s.leftover_pids) == 1 and s.still_alive_pids == [] and tagged_pids(s.tag) == []
 
 
 def test_exit_before_ready_raises_with_the_log(tmp_path: Path) -> None:
