@@ -320,6 +320,28 @@ def _timed(result: dict[str, Any], with_cancelled: bool) -> list[dict[str, Any]]
             if r.get("ttft_s") is not None and r.get("error") is None and (with_cancelled or not r.get("cancelled"))]
 
 
+def ttft_by_turn(done: list[dict[str, Any]], subject: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per configuration and turn (0: a session's first request), every run's successful TTFTs pooled: their
+    summary and, for every configuration but the subject, subject / it at p50 and mean (no interval: few samples
+    per turn). Turn 0 is where the pool can supply at most the shared system prompt: issue 13's first-turn goal."""
+    pooled: dict[str, dict[int, list[float]]] = {}
+    for e in done:
+        for r in _timed(e["result"], False):
+            pooled.setdefault(e["policy"], {}).setdefault(int(r.get("turn") or 0), []).append(r["ttft_s"])
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    mine = pooled.get(subject, {})
+    for config, turns in pooled.items():
+        out[config] = {}
+        for turn, xs in sorted(turns.items()):
+            row = summarize(xs)
+            ys = mine.get(turn)
+            if config != subject and ys:
+                row["subject_ratio_p50"] = float(np.median(ys)) / float(np.median(xs))
+                row["subject_ratio_mean"] = float(np.mean(ys)) / float(np.mean(xs))
+            out[config][str(turn)] = row
+    return out
+
+
 def _ratios(samples: dict[str, list[float]], subject: str,
             groups: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
     """subject / every other configuration: p50 and p99 with bootstrap intervals (sessions resampled when
@@ -431,6 +453,7 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
             "ratios_with_cancelled": _ratios(with_cancelled, subject, _by_session(sessions_wc)),
             "ttft_samples": samples,
             "ttft_pooled": {c: summarize(v) for c, v in samples.items()},
+            "ttft_by_turn": ttft_by_turn(done, subject),
             "ttft_timeline": timeline, "outputs_agreement": outputs_agreement(done),
             "placement": {run_label(e): e["result"].get("placement") for e in done},
             "same_placement": len({json.dumps(p) for p in placements.values()}) <= 1}
@@ -522,6 +545,19 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
                   "| configuration | n | p50 s | p90 | p99 | mean |", "|---|---|---|---|---|---|"]
         lines += [f"| {c} | {t['n']} | {_f(t['p50'])} | {_f(t['p90'])} | {_f(t['p99'])} | {_f(t['mean'])} |"
                   for c, t in pooled.items()]
+        lines.append("")
+    by_turn = agg.get("ttft_by_turn") or {}
+    if by_turn:
+        subject = meta["subject"]
+        lines += ["## TTFT per turn (every run pooled; turn 0 = a session's first request)", "",
+                  f"| configuration | turn | n | p50 s | p90 | p99 | mean | {subject} / it: p50, mean |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c, turns in by_turn.items():
+            for turn, t in turns.items():
+                ratio = (f"{t['subject_ratio_p50']:.2f}×, {t['subject_ratio_mean']:.2f}×"
+                         if "subject_ratio_p50" in t else "–")
+                lines.append(f"| {c} | {turn} | {t['n']} | {_f(t['p50'])} | {_f(t['p90'])} | {_f(t['p99'])} | "
+                             f"{_f(t['mean'])} | {ratio} |")
         lines.append("")
     agreement = agg.get("outputs_agreement") or {}
     if agreement:

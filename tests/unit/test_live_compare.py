@@ -129,6 +129,25 @@ def test_aggregate_and_report() -> None:
     assert "- cost_based: 30 records; per replica r0 20, r1 10; reused 0.80; prediction error holder +0.25 s" in text
 
 
+def test_ttft_per_turn_pools_the_runs_and_gives_the_subject_s_ratio_per_turn() -> None:
+    # turn = i % 3: the subject is as fast as round_robin on first turns (0) and twice as fast on revisits
+    rr = [3.0 if i % 3 == 0 else 2.0 for i in range(30)]
+    cb = [3.0 if i % 3 == 0 else 1.0 for i in range(30)]
+    entries = [_entry("round_robin", rr, hbm=0, actions={}), _entry("cost_based", cb, hbm=0, actions={}),
+               _entry("cost_based", cb, hbm=0, actions={})]
+    by_turn = lc.aggregate(entries, "cost_based")["ttft_by_turn"]
+    assert set(by_turn) == {"round_robin", "cost_based"} and set(by_turn["cost_based"]) == {"0", "1", "2"}
+    assert by_turn["cost_based"]["0"]["n"] == 20 and by_turn["round_robin"]["0"]["n"] == 10  # errors, cancels out
+    assert by_turn["round_robin"]["0"]["subject_ratio_p50"] == pytest.approx(1.0)
+    assert by_turn["round_robin"]["1"]["subject_ratio_mean"] == pytest.approx(0.5)
+    assert "subject_ratio_p50" not in by_turn["cost_based"]["1"]
+    meta = {"started_utc": "T", "host": "2 CPUs", "wall_s": 1.0, "model": "m", "policies": ["a"], "command": "c",
+            "subject": "cost_based", "workload": {k: getattr(_args(), k) for k in lc.AGENT_FLAGS}, "sizing": None,
+            "work_dir": "/w"}
+    text = lc.render_report({"aggregate": lc.aggregate(entries, "cost_based"), "meta": meta}, [])
+    assert "| round_robin | 2 | 10 | 2.000 | 2.000 | 2.000 | 2.000 | 0.50×, 0.50× |" in text
+
+
 def test_report_from_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
