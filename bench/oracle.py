@@ -323,6 +323,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=20)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-system-words", type=int, default=700,
+                        help="longest system prompt (words; each session draws its length up to this)")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--reset-hbm", action="store_true", help="empty the replicas' HBM after every round")
     parser.add_argument("--seed", type=int, default=0)
@@ -365,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
             against = {(r["session"], r["turn"]): r["text"] for r in earlier}
         result = compare(args.endpoint, reference, engine.served_model_name, sessions=args.sessions,
                          turns=args.turns, max_tokens=args.max_tokens, concurrency=args.concurrency,
-                         reset_hbm=args.reset_hbm, seed=args.seed,
+                         reset_hbm=args.reset_hbm, seed=args.seed, max_system_words=args.max_system_words,
                          max_prompt_tokens=engine.max_model_len, against=against)
         result["setup"]["against"] = args.against or None
         result["placement"]["reference"] = ref_placement
