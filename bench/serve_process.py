@@ -57,6 +57,20 @@ def session_pids(sid: int) -> list[int]:
     return out
 
 
+def _alive(procs: list[Any]) -> list[Any]:
+    """Those of ``procs`` (``psutil.Process``) still running and not zombies."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
 def tagged_processes(tag: str) -> list[Any]:
     """Live (non-zombie) processes whose environment carries ``SERVER_TAG_ENV=tag``, and their descendants: a
     process that rewrites its title (Ray's agents do, with ``setproctitle``) no longer shows its environment, but
@@ -71,32 +85,12 @@ def tagged_processes(tag: str) -> list[Any]:
                 tagged.update((c.pid, c) for c in proc.children(recursive=True))
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
-    out = []
-    for proc in tagged.values():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc)
-        except psutil.Error:
-            continue
-    return sorted(out, key=lambda p: p.pid)
+    return sorted(_alive(list(tagged.values())), key=lambda p: p.pid)
 
 
 def tagged_pids(tag: str) -> list[int]:
     """The pids of ``tagged_processes(tag)``."""
     return [p.pid for p in tagged_processes(tag)]
-
-
-def _alive(procs: list[Any]) -> list[Any]:
-    import psutil
-
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 def server_pids(pid: int) -> list[int]:

@@ -5,8 +5,8 @@ What one run does:
 1. Starts ``kvstack serve`` (``bench.live_compare.serve_command``: the default config — a local multi-node Ray
    cluster, 2 CPU replicas, the pool on — with ``--policy`` and ``--serve-set`` overrides), or, with ``--endpoint``,
    uses a running server (``--server-pid``: a process of its session, whose processes are measured).
-2. Records the RSS of every process of the server's session (Ray's GCS and raylets, Serve's controller, proxies
-   and replicas, vLLM's engine cores, the pool shards) and scrapes ``/metrics``.
+2. Records the RSS of every process of the server (``bench.serve_process.server_pids``: Ray's GCS and raylets,
+   Serve's controller, proxies and replicas, vLLM's engine cores, the pool shards) and scrapes ``/metrics``.
 3. Runs ``bench.agent.run_sessions`` — OpenAI ``tools`` and tool-role results over shared system-prompt variants —
    with ``--in-flight`` sessions at once (new ones keep arriving) for ``--duration-s`` seconds; the requests still
    running at the deadline are cancelled (counted apart from errors).
