@@ -144,6 +144,10 @@ class PoolSettings(Strict):
     shared_memory: bool = Field(
         default=True, description="replicas reach their own node's shard through shared memory (one memory copy), "
                                   "other nodes' shards through transfer_backend")
+    lease_on_lookup: bool = Field(
+        default=True, description="a replica's pool lookup also leases what it found, so the load starts in the step "
+                                  "vLLM allocates the request's blocks (off: the lease starts then, the load a step "
+                                  "later)")
     metrics_port: int | None = Field(
         default=9101, ge=1024, le=65535, description="HTTP port of the shard's Prometheus exposition (None: off)"
     )

@@ -44,6 +44,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``shared_memory``: reach the own node's shard through shared memory (``kvpool.transfer.shm``: loads and saves
       are one memory copy) when it exports its arena; the other shards, and a shard that does not export, through
       ``backend``.
+    - ``lease_on_lookup``: a lookup that finds blocks also leases them on the best shard (one more round trip on
+      the pool-call thread, before vLLM's ask is answered), so the load is handed to the worker in the step vLLM
+      allocates its blocks; off = the lease starts at the allocation and the load goes out a step later
+      (``kvpool.connector.scheduler``). Not for hybrid models (their hit ends where a state is held).
     """
 
     shards: list[ShardRef] = []
@@ -64,6 +68,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load: bool = True
     save: bool = True
     shared_memory: bool = True
+    lease_on_lookup: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s",

@@ -17,11 +17,16 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   date — the rest is looked up in the pool like any request's (counted in ``holders_short``) instead of recomputed.
   Only full blocks of the prompt, keyed by chained block keys (``kvpool.keys``) under ``Namespace(model_id,
   fingerprint, cache_salt)``. Hybrids: the hit ends at the furthest boundary where the
-  shard holds the full-attention blocks *and* the state snapshot (``state_key``). Loads are asynchronous in vLLM's
-  terms (``load_kv_async=True``): the request waits in ``WAITING_FOR_REMOTE_KVS`` while its lease is taken and the
-  worker pulls its blocks; the engine keeps stepping the others.
-- ``update_state_after_alloc(request, blocks, n)`` once vLLM allocated blocks for ``n`` external tokens: starts the
-  lease (pins the blocks on the shard) on a pool-call thread.
+  shard holds the full-attention blocks *and* the state snapshot (``state_key``). With ``lease_on_lookup`` (default;
+  not for hybrids) a lookup that finds blocks also leases them on that shard, in the same pool-call job: the answer
+  is what the lease pinned, and the lease waits, unused, for vLLM's allocation (released when a newer lookup replaces
+  it or the request ends; one older than half the lease's ttl is not used; a leased answer is refreshed only after a
+  quarter of the ttl). Loads are asynchronous in vLLM's terms (``load_kv_async=True``): the request waits in
+  ``WAITING_FOR_REMOTE_KVS`` while the worker pulls its blocks; the engine keeps stepping the others. The worker
+  reports a load at the end of the step it ran in, and vLLM schedules the request in the next one: a load handed
+  over in the step of its allocation costs the request that one step, a lease taken only at the allocation two.
+- ``update_state_after_alloc(request, blocks, n)`` once vLLM allocated blocks for ``n`` external tokens: hands the
+  lookup's lease to this step's load, or (no usable lease) starts the lease on a pool-call thread.
 - ``build_connector_meta(scheduler_output)`` every step: hands the worker a ``LoadSpec`` for every lease that has
   come back (a failed lease: a spec without remote blocks — the worker reports it failed, vLLM recomputes), releases
   the leases of preempted requests, and plans saves: the full prompt blocks this step completes (and, for hybrids,
@@ -53,8 +58,10 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.layout import PoolPlan, group_kinds, pool_plan, state_key
@@ -96,6 +103,8 @@ class _Found:
     failures: int  # shards that did not answer
     seconds: float
     local_prefix: int | None = None  # blocks from ``start`` the local shard holds (None: it did not answer)
+    lease: Any = None  # ``lease_on_lookup``: the LeaseReply pinning [start, end) on ``shard_id``, not yet used
+    lease_s: float = 0.0  # what that lease call took
 
     def answer(self, start: int, limit: int, hybrid: bool) -> int | None:
         """One past the last pool block for an ask of [start, limit); None when this lookup cannot tell."""
@@ -112,6 +121,7 @@ class _Match:
     shard_id: str
     start: int  # first block the pool supplies (blocks before it are in the local cache)
     end: int  # one past the last block; for hybrids also the boundary whose state is loaded
+    found: _Found | None = None  # the lookup it came from (its lease, if any, covers [start, end))
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,10 @@ class SchedulerStats:
     preempted_releases: int = 0
     retries_refused: int = 0
     holders_short: int = 0  # HOLDER requests whose HBM prefix fell short of the router's plan: looked up in the pool
+    lookup_leases: int = 0  # leases a lookup took with its answer (``lease_on_lookup``)
+    lookup_leases_used: int = 0  # of those, handed to a load at the allocation
+    lookup_leases_unused: int = 0  # of those, released unused (replaced, too old, the request ended without a load)
+    lookup_leases_empty: int = 0  # lookups whose hit the lease could not pin at all (evicted, no room to promote)
     history: list[str] = field(default_factory=list)  # short event log for tests/debugging (bounded)
 
     def note(self, event: str) -> None:
@@ -298,13 +312,15 @@ class SchedulerSide:
             r.not_yet += 1
             self.stats.lookups_not_yet += 1
             return None, False
-        assert r.found is not None
-        if r.lookup is None and time.monotonic() - r.found.at > LOOKUP_REFRESH_S:
+        found = r.found
+        assert found is not None
+        refresh = LOOKUP_REFRESH_S if found.lease is None else self.cfg.lease_ttl_s / 4
+        if r.lookup is None and time.monotonic() - found.at > refresh:
             self._submit_lookup(r, request, start, limit)  # answer now, know better next time
         if end <= start:
             self._matches.pop(request.request_id, None)
             return 0, False
-        self._matches[request.request_id] = _Match(r.found.shard_id, start, end)
+        self._matches[request.request_id] = _Match(found.shard_id, start, end, found)
         return end * bs - num_computed_tokens, True
 
     def _submit_lookup(self, r: _Req, request: Any, start: int, limit: int) -> None:
@@ -326,11 +342,39 @@ class SchedulerSide:
         except Exception as exc:  # noqa: BLE001 - a bug in a lookup is a miss, never a failed request
             log.warning("kvpool connector: lookup failed: %s", exc)
             return
+        self._drop_found_lease(r, "replaced")
         r.found = found
         r.lookup_s += found.seconds
         self.stats.lookup_failures += found.failures
         if found.local_prefix is not None:
             self._lost(r, found.start + found.local_prefix, found.limit)
+
+    def _drop_found_lease(self, r: _Req, why: str) -> None:
+        """Release the lease the request's latest lookup took and no load used (on a pool-call thread)."""
+        found = r.found
+        if found is None or found.lease is None:
+            return
+        r.found = replace(found, lease=None)
+        with self._stats_lock:
+            self.stats.lookup_leases_unused += 1
+        self.calls.submit(self._release_call, r.request.request_id,
+                          _Lease(found.shard_id, found.lease.lease.lease_id, self._step), f"lookup lease {why}", False)
+
+    def _release_late_lookup_lease(self, rid: str, fut: Future[_Found]) -> None:
+        """The lease of a lookup that came back after its request ended: released at once (a done-callback: it runs
+        where the lookup finished, or here when it just did; the release call itself goes to a pool-call thread)."""
+        try:
+            found = fut.result()
+        except Exception:  # noqa: BLE001 - a failed lookup holds no lease
+            return
+        if found.lease is not None:
+            with self._stats_lock:
+                self.stats.lookup_leases_unused += 1
+            try:
+                self.calls.submit(self._release_call, rid, _Lease(found.shard_id, found.lease.lease.lease_id, -1),
+                                  "lookup lease late", False)
+            except RuntimeError:  # shutting down: the lease expires on its own (ttl)
+                pass
 
     def _lost(self, r: _Req, start: int, end: int) -> None:
         """The local shard does not hold block ``start`` of the request: when the book says this engine saved it
@@ -378,8 +422,30 @@ class SchedulerSide:
         end = start + best
         if best and self.plan.hybrid:
             end = self._state_boundary(best_shard, keys, start, end)
-        return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0,
-                      local_prefix)
+        lease, lease_s = None, 0.0
+        if best and self.cfg.lease_on_lookup and not self.plan.hybrid:
+            lease, lease_s, end = self._lease_found(best_shard, keys, start, end)
+        return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0 - lease_s,
+                      local_prefix, lease, lease_s)
+
+    def _lease_found(self, shard_id: str, keys: list[BlockKey], start: int, end: int) -> tuple[Any, float, int]:
+        """(``lease_on_lookup``, a pool-call thread) Lease the blocks [start, end) a lookup found on ``shard_id``
+        (``keys`` begin at ``start``): (the lease, or None — the allocation leases again; seconds; the end of what it
+        pinned for every rank: blocks evicted since the lookup are not offered)."""
+        world = self.tp_world
+        reply, lease_s = self._lease(shard_id, list(rank_interleaved(keys[: end - start], world)))
+        if reply is None:
+            return None, lease_s, end
+        usable = min(len(reply.lease.blocks) // world, end - start)
+        if usable == 0:
+            with self._stats_lock:
+                self.stats.lookup_leases_empty += 1
+            if reply.lease.lease_id:
+                self._release_call("", _Lease(shard_id, reply.lease.lease_id, -1), "lookup lease empty", False)
+            return None, lease_s, start
+        with self._stats_lock:
+            self.stats.lookup_leases += 1
+        return reply, lease_s, start + usable
 
     def _state_boundary(self, shard_id: str, keys: list[BlockKey], start: int, end: int) -> int:
         """Furthest boundary in (start, end] whose state snapshot the shard holds; ``start`` if none. ``keys``
@@ -405,7 +471,9 @@ class SchedulerSide:
             reply = None
         return reply, time.perf_counter() - t0
 
-    def _release_call(self, rid: str, lease: _Lease, why: str) -> None:
+    def _release_call(self, rid: str, lease: _Lease, why: str, counted: bool = True) -> None:
+        """Release one lease (a pool-call thread). ``counted``: a load's lease (``leases_released``, which ends equal
+        to ``leases_taken``); a lookup's lease no load used is counted in ``lookup_leases_unused`` instead."""
         try:
             self.shards.client(lease.shard_id).release(lease.lease_id)
         except Exception as exc:  # the lease expires on its own (ttl); never fail a request over a release
@@ -415,7 +483,7 @@ class SchedulerSide:
                         exc)
             return
         with self._stats_lock:
-            self.stats.leases_released += 1
+            self.stats.leases_released += int(counted)
             self.stats.note(f"release {rid} {lease.shard_id} {lease.lease_id} {why}")
 
     # ------------------------------------------------------------------ allocation
@@ -435,6 +503,21 @@ class SchedulerSide:
             self._pending_loads.append(_failed_spec(request.request_id))
             return
         world = self.tp_world
+        found = match.found
+        if found is not None and found.lease is not None and r.found is found:
+            if time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2:
+                # the lookup's lease pins these blocks already: the load goes out with this step
+                r.found = replace(found, lease=None)
+                self.stats.lookup_leases_used += 1
+                lo, hi = (match.start - found.start) * world, (match.end - found.start) * world
+                reply = found.lease
+                sliced = msgspec.structs.replace(reply, lease=msgspec.structs.replace(
+                    reply.lease, blocks=reply.lease.blocks[lo:hi]))
+                done: Future[tuple[Any, float]] = Future()
+                done.set_result((sliced, found.lease_s))
+                self._leasing[request.request_id] = _Leasing(match, blocks.get_block_ids(), done, self._step)
+                return
+            self._drop_found_lease(r, "too old")  # the allocation leases again
         lease_keys: list[bytes] = list(rank_interleaved(keys[match.start : match.end], world))
         if self.plan.hybrid:
             lease_keys += rank_interleaved([state_key(keys[match.end - 1])], world)
@@ -624,6 +707,12 @@ class SchedulerSide:
             p.abandoned = True
             self._pending_loads.append(_failed_spec(rid))
         self._release(rid, "finished")
+        r = self._reqs.get(rid)
+        if r is not None:
+            self._harvest(r)
+            self._drop_found_lease(r, "unused")
+            if r.lookup is not None:  # still in flight: its lease is released when it arrives
+                r.lookup.add_done_callback(lambda fut, rid=rid: self._release_late_lookup_lease(rid, fut))
         r = self._reqs.pop(rid, None)
         self._matches.pop(rid, None)
         if r is None or not r.lookups:

@@ -437,9 +437,10 @@ def test_aborted_before_scheduling_holds_no_lease(ctx: Ctx) -> None:
                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    # It was looked up (the pool holds its prefix) but could not be scheduled: the cache is full.
-    assert sched_stats(llm)["lookups"] > lookups
-    assert "late" not in str(connector_stats(llm)["held_leases"]) and ctx.pool.leases()["a"] == 0
+    # It was looked up (the pool holds its prefix) but could not be scheduled: the cache is full. Its lookup leased
+    # the prefix (``lease_on_lookup``), which no load holds yet; the abort releases it.
+    assert sched_stats(llm)["lookups"] > lookups and sched_stats(llm)["lookup_leases"] > 0
+    assert "late" not in str(connector_stats(llm)["held_leases"]) and ctx.pool.leases()["a"] == 1
     engine.abort_request(["late"])
     engine.step()
     assert not connector_stats(llm)["held_leases"] and ctx.pool.leases()["a"] == 0

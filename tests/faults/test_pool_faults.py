@@ -160,9 +160,12 @@ def engine(engines: Any, key: str, tiny_models: dict[str, str], cfg: Any) -> Any
 def tight_case(engines: Any, extra: Extra, tiny_models: dict[str, str], warm: dict[str, list[int]]
                ) -> tuple[Any, Any, Run, dict[str, int]]:
     """Cases 2 and 3: the engine on the DRAM-only "tight" shard with the short lease TTL (one engine for both),
-    its client, a ``Run`` after the ``warm`` prompts (their blocks saved) and the counters then."""
+    its client, a ``Run`` after the ``warm`` prompts (their blocks saved) and the counters then. Its leases start at
+    the allocation (``lease_on_lookup`` off), so a fault fits between the lookup and the lease (case 2); with the
+    default, the lookup's own job leases, and what it could not pin is never offered
+    (``tests/unit/test_scheduler_async.py``)."""
     llm = engine(engines, "tight", tiny_models,
-                 extra.config("tight", model_id=TIGHT_MODEL, lease_ttl_s=LEASE_TTL_S))
+                 extra.config("tight", model_id=TIGHT_MODEL, lease_ttl_s=LEASE_TTL_S, lease_on_lookup=False))
     run = Run(llm)
     run.go(warm)
     return llm, extra.client("tight"), run, counters(llm)
@@ -215,7 +218,8 @@ def test_full_pool_refuses_saves_and_serving_goes_on(pool: Any, extra: Extra, en
     assert all(v == 0 for v in s.reused.values())  # nothing could be promoted into a full DRAM: all recomputed
     assert d.get("worker.blocks_no_room", 0) > 0 and d.get("save_book.failed", 0) > 0  # saves refused, counted
     assert d.get("worker.blocks_committed", 0) == 0
-    assert d.get("scheduler.leases_short", 0) > 0  # the pool held the prefix in SSD; the lease got nothing
+    # the pool held the prefix in SSD; the lookup's lease got nothing (no DRAM to promote into): nothing was offered
+    assert d.get("scheduler.lookup_leases_empty", 0) > 0 and d.get("scheduler.loads_planned", 0) == 0
 
     # room again: the fresh prefix (whose saves were refused) is saved by the next request computing it, then served
     recovered_at = time.perf_counter()

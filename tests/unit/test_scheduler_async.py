@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,11 +76,12 @@ class FakeClient:
         return True
 
 
-def make_side(held: int = 6) -> tuple[SchedulerSide, FakeShards]:
+def make_side(held: int = 6, *, lease_on_lookup: bool = True) -> tuple[SchedulerSide, FakeShards]:
     spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv = SimpleNamespace(num_blocks=64, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
     vcfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m"))
-    side = SchedulerSide(ConnectorConfig(save=False, lookup_deadline_s=5.0), vcfg, kv)
+    cfg = ConnectorConfig(save=False, lookup_deadline_s=5.0, lease_on_lookup=lease_on_lookup)
+    side = SchedulerSide(cfg, vcfg, kv)
     side.fingerprint = "fp"
     fake = FakeShards(held)
     side.shards = fake  # type: ignore[assignment]
@@ -162,7 +164,7 @@ def test_a_finished_lookup_answers_a_later_ask_past_the_local_prefix() -> None:
 
 
 def test_a_lease_in_flight_holds_the_load_back_without_blocking_the_step() -> None:
-    side, fake = make_side(held=6)
+    side, fake = make_side(held=6, lease_on_lookup=False)  # the lease starts at the allocation
     req = request("a")
     side.on_new_request(req)
     side.calls.wait_idle(5.0)
@@ -214,7 +216,7 @@ def test_what_the_request_waited_on_the_pool_from_the_first_ask_is_in_its_load_a
 
 
 def test_aborted_while_leasing_gets_a_failed_load_and_the_late_lease_is_released() -> None:
-    side, fake = make_side(held=6)
+    side, fake = make_side(held=6, lease_on_lookup=False)  # the lease starts at the allocation
     req = request("a")
     side.on_new_request(req)
     side.calls.wait_idle(5.0)
@@ -233,7 +235,7 @@ def test_aborted_while_leasing_gets_a_failed_load_and_the_late_lease_is_released
 
 
 def test_a_failed_lease_is_a_load_without_remote_blocks() -> None:
-    side, fake = make_side(held=6)
+    side, fake = make_side(held=6, lease_on_lookup=False)  # the lease starts at the allocation
     req = request("a")
     side.on_new_request(req)
     side.calls.wait_idle(5.0)
@@ -305,8 +307,8 @@ def test_a_saved_block_the_local_shard_lost_is_saved_again() -> None:
     restarted): they are saved again by the next request that computes them; a short lease on it does the same."""
     from kvpool.connector.meta import SaveReport
 
-    side, fake = make_side(held=4)
-    side.cfg = ConnectorConfig(save=True)
+    side, fake = make_side(held=4, lease_on_lookup=False)  # the short lease is the allocation's
+    side.cfg = ConnectorConfig(save=True, lease_on_lookup=False)
     side.bind_kv_cache_manager(CacheManager())
     first = request("a", blocks=4)
     side.on_new_request(first)
@@ -425,7 +427,7 @@ def test_a_short_tensor_parallel_lease_leaves_the_missing_ranks_slots_unleased()
     none (its load error makes vLLM recompute from block 2); the request counts 2 loadable blocks."""
     from kvpool.keys import rank_key
 
-    side, _ = make_side()
+    side, _ = make_side(lease_on_lookup=False)  # evicted between the lookup and the allocation's lease
     side.tp_world = 2
     fake = KeyedShards()
     side.shards = fake  # type: ignore[assignment]
@@ -462,3 +464,101 @@ def test_a_planned_holder_looks_up_the_pool_only_when_its_hbm_prefix_is_not_ther
     # looked up past vLLM's 1 cached block: keys 1..7, of which the fake holds the first 6
     assert side.get_num_new_matched_tokens(gone, BS) == (6 * BS, True) and fake.lookups == [7]
     assert side.stats.lookups == 1 and side.stats.holders_short == 1
+
+
+def test_a_lookup_lease_goes_out_with_the_allocation_step() -> None:
+    """``lease_on_lookup`` (default): the lookup's job also leased what it found, so the step that allocates the
+    request's blocks hands the worker its load — no lease call then, even with the shard frozen by now (with the
+    lease taken at the allocation the load goes out a step later: the worker reports a load at the end of the step
+    it ran in, so that costs the request one more engine step)."""
+    side, fake = make_side(held=6)
+    req = request("a")
+    assert first_answer(side, req) == (6 * BS, True)
+    assert side.stats.lookup_leases == 1 and side.held_leases() == {}  # pinned, not yet a load's
+    fake.lease_gate.clear()  # no lease call may be needed from here on
+    _, took = timed(side.update_state_after_alloc, req, Blocks(9), 6 * BS)
+    meta, took2 = timed(step, side)
+    assert took < FAST_S and took2 < FAST_S
+    (spec,) = meta.loads
+    assert spec.req_id == "a" and [b.block_ids[0] for b in spec.blocks] == list(range(100, 106))
+    assert [b.remote.offset for b in spec.blocks] == [i * 4096 for i in range(6)]
+    assert side.held_leases() == {"a": [("s1", 7)]} and side.stats.lookup_leases_used == 1
+    assert side.stats.leases_taken == 1 and side.stats.hit_tokens == 6 * BS
+    side.request_finished(req)
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7] and side.stats.lookup_leases_unused == 0
+    assert side.stats.leases_released == side.stats.leases_taken == 1
+
+
+def test_a_lookup_lease_offers_what_it_pinned_and_a_load_past_the_local_prefix_uses_its_tail() -> None:
+    """Blocks evicted between the lookup and its lease are not offered (the answer is what the lease pinned); when
+    vLLM's own cache has grown by the allocation, the load takes the lease's slots from there on."""
+    side, fake = make_side(held=6)
+    real_client = fake.client
+
+    class ShortClient(FakeClient):
+        def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+            return super().lease(keys[:5], fingerprint, ttl_s)  # block 5 evicted since the lookup
+
+    fake.client = lambda shard_id: ShortClient(fake)  # type: ignore[method-assign]
+    req = request("a")
+    assert first_answer(side, req) == (5 * BS, True)
+    fake.client = real_client  # type: ignore[method-assign]
+    assert side.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)  # vLLM's cache holds blocks 0-1 now
+    side.update_state_after_alloc(req, Blocks(9), 3 * BS)
+    (spec,) = step(side).loads
+    assert [b.block_ids[0] for b in spec.blocks] == [102, 103, 104]
+    assert [b.remote.offset for b in spec.blocks] == [2 * 4096, 3 * 4096, 4 * 4096]
+    assert len(fake.lookups) == 1 and side.stats.leases_short == 0
+
+
+def test_an_unused_lookup_lease_is_released() -> None:
+    """A lookup's lease no load used is released: when its request ends, when a newer lookup replaces it, and when
+    it is too old at the allocation (over half its ttl: the allocation leases again)."""
+    side, fake = make_side(held=6)
+    ended = request("ended")
+    assert first_answer(side, ended) == (6 * BS, True)
+    side.request_finished(ended)
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7] and side.stats.lookup_leases_unused == 1
+    assert side.stats.leases_released == side.stats.leases_taken == 0  # a load's leases only
+
+    replaced = request("replaced")
+    assert first_answer(side, replaced) == (6 * BS, True)
+    r = side._reqs["replaced"]
+    r.found = replace(r.found, at=r.found.at - side.cfg.lease_ttl_s)  # a leased answer is refreshed after ttl/4
+    assert side.get_num_new_matched_tokens(replaced, 0) == (6 * BS, True)  # answers now, looks up again
+    side.calls.wait_idle(5.0)
+    assert side.get_num_new_matched_tokens(replaced, 0) == (6 * BS, True)  # the new lookup (and lease) answers
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7, 7] and side.stats.lookup_leases == 3 and side.stats.lookup_leases_unused == 2
+    side.request_finished(replaced)
+
+    side.cfg = ConnectorConfig(save=False, lookup_deadline_s=5.0, lease_ttl_s=0.2)
+    old = request("old")
+    assert first_answer(side, old) == (6 * BS, True)
+    time.sleep(0.15)  # over half the lease's ttl
+    side.update_state_after_alloc(old, Blocks(9), 6 * BS)
+    assert "old" in side._leasing and side.stats.lookup_leases_unused == 4  # "replaced" ended with one too
+    until(lambda: side._leasing["old"].future.done())
+    (spec,) = step(side).loads
+    assert all(b.remote is not None for b in spec.blocks) and side.stats.lookup_leases_used == 0
+
+
+def test_a_lookup_lease_of_a_request_that_ended_first_is_released() -> None:
+    """A request that ends before vLLM asked again (its lookup done, never read) or while its lookup is still in
+    flight leaves no lease behind: the first is released at the end, the second when its lookup comes back."""
+    side, fake = make_side(held=6)
+    unread = request("unread")
+    side.on_new_request(unread)
+    side.calls.wait_idle(5.0)
+    side.request_finished(unread)
+    side.calls.wait_idle(5.0)
+    assert fake.released == [7]
+    fake.lookup_gate.clear()
+    late = request("late")
+    side.on_new_request(late)
+    side.request_finished(late)
+    fake.lookup_gate.set()
+    until(lambda: fake.released == [7, 7])
+    assert side.stats.lookup_leases == 2 and side.stats.lookup_leases_unused == 2 and side.stats.leases_released == 0
