@@ -424,7 +424,10 @@ class SchedulerSide:
             end = self._state_boundary(best_shard, keys, start, end)
         lease, lease_s = None, 0.0
         if best and self.cfg.lease_on_lookup and not self.plan.hybrid:
-            lease, lease_s, end = self._lease_found(best_shard, keys, start, end)
+            lease, lease_s, pinned = self._lease_found(best_shard, keys, start, end)
+            if pinned < end and best_shard == local:
+                local_prefix = pinned - start  # the local shard dropped blocks it had (a checksum, evicted)
+            end = pinned
         return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0 - lease_s,
                       local_prefix, lease, lease_s)
 
@@ -437,6 +440,9 @@ class SchedulerSide:
         if reply is None:
             return None, lease_s, end
         usable = min(len(reply.lease.blocks) // world, end - start)
+        if usable < end - start:
+            with self._stats_lock:
+                self.stats.leases_short += 1
         if usable == 0:
             with self._stats_lock:
                 self.stats.lookup_leases_empty += 1
@@ -554,7 +560,8 @@ class SchedulerSide:
                 self.stats.leases_taken += 1
                 self.stats.note(f"lease {rid} {match.shard_id} {lease_id}")
             if len(leased) < (n + int(self.plan.hybrid)) * world:
-                self.stats.leases_short += 1
+                with self._stats_lock:  # a lookup's lease counts its short ones too (a pool-call thread)
+                    self.stats.leases_short += 1
                 if reply is not None and match.shard_id == self.shards.local_shard_id(wait=False):
                     self._lost(r, match.start + usable, match.end)
                 if self.plan.hybrid and lease_id:

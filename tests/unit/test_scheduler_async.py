@@ -509,7 +509,32 @@ def test_a_lookup_lease_offers_what_it_pinned_and_a_load_past_the_local_prefix_u
     (spec,) = step(side).loads
     assert [b.block_ids[0] for b in spec.blocks] == [102, 103, 104]
     assert [b.remote.offset for b in spec.blocks] == [2 * 4096, 3 * 4096, 4 * 4096]
-    assert len(fake.lookups) == 1 and side.stats.leases_short == 0
+    assert len(fake.lookups) == 1 and side.stats.leases_short == 1
+
+
+def test_a_short_lookup_lease_on_the_local_shard_has_what_it_lost_saved_again() -> None:
+    """The book says blocks 0-3 were saved; the local shard's lookup still lists them, but its lease pins only 0-1
+    (it dropped 2-3 on promotion: a checksum failure, or evicted since): 2 blocks offered, 2-3 wanted again."""
+    from kvpool.connector.meta import SaveReport
+
+    side, fake = make_side(held=4)
+    side.cfg = ConnectorConfig(save=True)
+    side.bind_kv_cache_manager(CacheManager())
+    first = request("a", blocks=4)
+    side.on_new_request(first)
+    (spec,) = save_step(side, "a", 0, first.num_tokens).saves
+    side.save_outcomes(SaveReport(saved=spec.keys, failed=[]))
+    until(lambda: side._reqs["a"].lookup is None or side._reqs["a"].lookup.done())  # a's own lookup: a full lease
+
+    class ShortClient(FakeClient):
+        def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+            return super().lease(keys[:2], fingerprint, ttl_s)
+
+    fake.client = lambda shard_id: ShortClient(fake)  # type: ignore[method-assign]
+    assert first_answer(side, request("b", blocks=4)) == (2 * BS, True)
+    assert side.stats.leases_short == 1
+    assert [side.book.is_saved(k) for k in spec.keys] == [True, True, False, False]
+    assert side.book.stats.lost == 2
 
 
 def test_an_unused_lookup_lease_is_released() -> None:
