@@ -19,6 +19,9 @@ Input: the records as JSON dicts (``router.decision.DecisionRecord`` as msgspec 
                                        the HTTP proxy, the client and the queues before the ingress, which no
                                        decision sees. Matched by the completion id, else (older logs) by prompt
                                        length in send order (``matched_by``).
+    stages_s                           per action, per stage of the request's timeline
+                                       (``router.decision.RequestTimeline.stages``: ingress, plan, engine_wait,
+                                       prefill, pool_wait, ...): n, p50, p90, mean seconds — where the time went
 Pure (no I/O). Called by ``bench.live_compare`` (after each run, and again when a report is rebuilt from a work dir).
 """
 
@@ -27,7 +30,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
+
+from router.decision import RequestTimeline
 
 #: Decisions of a run left out of the accuracy figures: the calibrator fits the replicas' prefill rate and the
 #: tiers' bandwidth from the first finished requests (``router.calibration``, 5 observations per fit).
@@ -74,6 +80,20 @@ def outside_router_gaps(ordered: Sequence[Mapping[str, Any]], requests: Iterable
     return gaps, matched_by
 
 
+def stage_quantiles(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``stages_s`` of the module docstring: records without a timeline are left out."""
+    by_action: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        if not r.get("timeline"):
+            continue
+        stages = msgspec.convert(r["timeline"], RequestTimeline).stages()
+        per = by_action.setdefault(str(r.get("action")), {})
+        for name, seconds in stages.items():
+            per.setdefault(name, []).append(float(seconds))
+    return {action: {name: {**_quantiles(v), "mean": float(np.mean(v))} for name, v in per.items()}
+            for action, per in sorted(by_action.items())}
+
+
 def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WARMUP,
               requests: Iterable[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The module docstring's summary of one run's records (and, with ``requests``, the client's view of them)."""
@@ -114,6 +134,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WAR
         "by_replica": by_replica,
         "reused_token_fraction": (reused / prompt) if prompt else None,
         "median_prediction_error_s": {a: float(np.median(v)) for a, v in errors.items()},
+        "stages_s": stage_quantiles(ordered),
         "warmup_decisions": warmup,
         "relative_error": rel,
         "plan_check": {"compared": compared, "equal": equal, "under": under, "over": over,

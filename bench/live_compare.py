@@ -464,6 +464,28 @@ def _f(v: Any, fmt: str = ".3f") -> str:
     return "–" if v is None else format(v, fmt)
 
 
+#: The timeline stages the report shows (``router.decision.RequestTimeline.stages``): the engine's queue (a load
+#: from the pool included), its prefill, and what the connector waited on the pool before its read.
+REPORT_STAGES = ("engine_wait", "prefill", "pool_wait")
+
+
+def _stage_table(audits: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Where each run's time went, per action: p50 / p90 / mean of the report's stages (``stages_s``)."""
+    rows = [(name, action, per) for name, a in audits for action, per in (a.get("stages_s") or {}).items()]
+    if not rows:
+        return []
+    head = " | ".join(f"{s} p50 / p90 / mean s" for s in REPORT_STAGES)
+    lines = ["Where the time went per action (the requests' timelines, `router.decision.RequestTimeline`; "
+             "engine_wait holds a load from the pool):", "", f"| run | action | n | {head} |",
+             "|---|---|---|" + "---|" * len(REPORT_STAGES)]
+    for name, action, per in rows:
+        cells = [" / ".join(_f(per[s][k], ".3f") for k in ("p50", "p90", "mean")) if s in per else "–"
+                 for s in REPORT_STAGES]
+        n = max((v["n"] for v in per.values()), default=0)
+        lines.append(f"| {name} | {action} | {n} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _kv(d: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:,.0f}" for k, v in sorted(d.items())) or "–"
 
@@ -539,6 +561,7 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
                          f"{_f(a['reused_token_fraction'], '.2f')}; prediction error {errs}; |predicted − actual| "
                          f"/ actual p50 / p90 after {a.get('warmup_decisions', 0)} decisions: {rels}{plan}{outside}")
         lines.append("")
+        lines += _stage_table(audits)
     pooled = agg.get("ttft_pooled") or {}
     if pooled:
         lines += ["## TTFT per configuration (every run pooled)", "",

@@ -56,3 +56,20 @@ def test_outside_router_matches_the_client_log_by_completion_id_or_prompt_length
     out = summarize(recs, warmup=0, requests=by_len)["outside_router_s"]
     assert out["matched_by"] == "prompt tokens" and out["n"] == 2 and out["max"] == pytest.approx(0.25)
     assert "outside_router_s" not in summarize(recs, warmup=0)
+
+
+def test_stages_split_where_the_time_went_per_action() -> None:
+    def timed(t: float, action: str, wait: float, prefill: float, pool: bool) -> dict:
+        replica = {"plan_s": 0.001, "queued_s": 0.002, "scheduled_s": 0.002 + wait,
+                   "first_token_s": 0.002 + wait + prefill, "first_chunk_s": 0.003 + wait + prefill}
+        pool_t = {"lookup_s": 0.004, "lease_s": 0.005, "wait_s": 0.006} if pool else None
+        return dict(_rec(t, action, 1, 1), timeline={"ingress_s": 0.01, "transport_s": 0.005, "replica": replica,
+                                                       "pool": pool_t})
+
+    records = [timed(1, "fetch", 0.02, 0.1, True), timed(2, "fetch", 0.04, 0.3, True),
+               timed(3, "recompute", 0.0, 1.0, False), _rec(4, "holder", 1, 1)]
+    st = summarize(records, warmup=0)["stages_s"]
+    assert set(st) == {"fetch", "recompute"}  # a record without a timeline is left out
+    assert st["fetch"]["engine_wait"]["n"] == 2 and st["fetch"]["engine_wait"]["mean"] == pytest.approx(0.03)
+    assert st["fetch"]["prefill"]["p50"] == pytest.approx(0.2) and st["fetch"]["pool_wait"]["p50"] == 0.006
+    assert "pool_wait" not in st["recompute"] and st["recompute"]["prefill"]["mean"] == pytest.approx(1.0)
