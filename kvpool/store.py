@@ -364,16 +364,15 @@ class BlockStore:
     def _commit(self, reservation_id: int, keys: Sequence[bytes], checksums: Sequence[int], fingerprint: str,
                 slot_index: Sequence[int] | None, model: str) -> CommitResult:
         self._sweep(self._clock())
-        res = self._reservations.pop(reservation_id, None)
+        res = self._reservations.get(reservation_id)
         if res is None:
             err = f"unknown or expired reservation {reservation_id}"
             return CommitResult([], list(range(len(keys))), [], error=err)
         order = list(range(len(keys))) if slot_index is None else [int(j) for j in slot_index]
         if len(keys) > len(res.slots) or any(not 0 <= j < len(res.slots) for j in order):
-            self._reservations[reservation_id] = res
             raise ValueError(f"commit: {len(keys)} keys (slot indices {order}) for a reservation of {len(res.slots)} "
                              "slots")
-        self._grants.pop(res.grant, None)
+        self._end_reservation(reservation_id, free=False)  # its slots become entries or are freed below
         committed: list[int] = []
         rejected: list[int] = []
         duplicate: list[int] = []
@@ -410,11 +409,8 @@ class BlockStore:
     def abort(self, reservation_id: int) -> bool:
         """Return a reservation's slots; False if it was unknown (already committed, aborted or expired)."""
         with self._lock:
-            res = self._reservations.pop(reservation_id, None)
-            if res is None:
+            if self._end_reservation(reservation_id) is None:
                 return False
-            self._grants.pop(res.grant, None)
-            self.arena.free(res.slots)
             self._count("aborts")
             self._publish_gauges()
             return True
@@ -544,11 +540,8 @@ class BlockStore:
     def release(self, lease_id: int) -> bool:
         """Unpin a lease's blocks; False if it was unknown (already released or expired)."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            if not self._end_lease(lease_id):
                 return False
-            self._grants.pop(lease.grant, None)
-            self._unpin(lease.keys)
             self._publish_gauges()
             return True
 
@@ -594,17 +587,32 @@ class BlockStore:
         with self._lock:
             return self._sweep(self._clock() if now is None else now)
 
+    def _end_lease(self, lease_id: int) -> bool:
+        """(lock held) The one way a lease ends (release, expiry): its grant dies, its blocks are unpinned."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._grants.pop(lease.grant, None)
+        self._unpin(lease.keys)
+        return True
+
+    def _end_reservation(self, reservation_id: int, *, free: bool = True) -> _Reserved | None:
+        """(lock held) The one way a reservation ends (commit, abort, expiry): its grant dies; ``free``: its slots
+        go back to the arena (a commit hands them on itself)."""
+        res = self._reservations.pop(reservation_id, None)
+        if res is not None:
+            self._grants.pop(res.grant, None)
+            if free:
+                self.arena.free(res.slots)
+        return res
+
     def _sweep(self, now: float) -> tuple[int, int]:
         dead_leases = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
         for lid in dead_leases:
-            lease = self._leases.pop(lid)
-            self._grants.pop(lease.grant, None)
-            self._unpin(lease.keys)
+            self._end_lease(lid)
         dead_res = [rid for rid, res in self._reservations.items() if res.expires_at <= now]
         for rid in dead_res:
-            res = self._reservations.pop(rid)
-            self._grants.pop(res.grant, None)
-            self.arena.free(res.slots)
+            self._end_reservation(rid)
         if dead_leases or dead_res:
             self._count("leases_expired", len(dead_leases))
             self._count("reservations_expired", len(dead_res))
