@@ -148,6 +148,10 @@ class PoolSettings(Strict):
         default=True, description="a replica's pool lookup also leases what it found, so the load starts in the step "
                                   "vLLM allocates the request's blocks (off: the lease starts then, the load a step "
                                   "later)")
+    saver_nice: int = Field(
+        default=19, ge=0, le=19, description="nice value of each replica's background saver thread (Linux): 19 = "
+                                             "saves run when the engine's threads leave a core idle, never ahead of "
+                                             "the forward pass and the first token; 0 = the engine's priority")
     metrics_port: int | None = Field(
         default=9101, ge=1024, le=65535, description="HTTP port of the shard's Prometheus exposition (None: off)"
     )

@@ -309,7 +309,7 @@ class VLLMReplica:
             shards=shards, model_id=self.settings.served_model_name, local_shard=local.shard_id,
             ray_namespace=SHARD_NAMESPACE, ray_address=ray.get_runtime_context().gcs_address,
             backend=self.pool.transfer_backend, shared_memory=self.pool.shared_memory,
-            lease_on_lookup=self.pool.lease_on_lookup,
+            lease_on_lookup=self.pool.lease_on_lookup, saver_nice=self.pool.saver_nice,
         )
         return kv_transfer_config(cfg)
 

@@ -48,6 +48,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       the pool-call thread, before vLLM's ask is answered), so the load is handed to the worker in the step vLLM
       allocates its blocks; off = the lease starts at the allocation and the load goes out a step later
       (``kvpool.connector.scheduler``). Not for hybrid models (their hit ends where a state is held).
+    - ``saver_nice``: the nice value (0..19) of the background saver's thread. On Linux each thread has its own
+      scheduling priority. The saver shares the worker's cores with the forward pass and the output path, and saves
+      are asynchronous by design. So with 19 (the default) the saver runs when the engine's threads leave a core
+      idle, and a save waits instead of the request that computed the blocks. 0 gives it the engine's priority.
+      Negative values would need privileges and are refused.
     """
 
     shards: list[ShardRef] = []
@@ -69,12 +74,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     save: bool = True
     shared_memory: bool = True
     lease_on_lookup: bool = True
+    saver_nice: int = 19
 
     def __post_init__(self) -> None:
         for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s",
                      "save_staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvpool connector: {name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.saver_nice <= 19:
+            raise ValueError(f"kvpool connector: saver_nice must be in [0, 19], got {self.saver_nice}")
         ids = [s.shard_id for s in self.shards]
         if len(set(ids)) != len(ids):
             raise ValueError(f"kvpool connector: duplicate shard ids {ids}")

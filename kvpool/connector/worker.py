@@ -200,7 +200,8 @@ class WorkerSide:
             peers = self._peers_of(name)
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
                                     slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
-                                    deadline_s=self.cfg.save_deadline_s, model=self.model_id)
+                                    deadline_s=self.cfg.save_deadline_s, model=self.model_id,
+                                    nice=self.cfg.saver_nice)
 
     def _peers_of(self, agent_name: str) -> KnownPeers:
         """Endpoints for ``agent_name``: a transfer endpoint (remade by a fence) and the shared-memory one."""

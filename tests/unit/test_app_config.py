@@ -103,6 +103,9 @@ def test_pool_ssd_needs_a_directory_and_a_valid_backend() -> None:
         AppConfig.model_validate(_args(pool={"dram_bytes": 1, "transfer_backend": "rdma"}))
     with pytest.raises(ValidationError, match="dram_bytes"):
         AppConfig.model_validate(_args(pool={"dram_bytes": 0}))
+    with pytest.raises(ValidationError, match="saver_nice"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 1, "saver_nice": -5}))
+    assert AppConfig.model_validate(_args(pool={"dram_bytes": 1})).pool.saver_nice == 19
 
 
 def test_router_settings_are_checked() -> None:

@@ -8,6 +8,9 @@ every checksum at commit) behind the loopback transport.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -189,3 +192,38 @@ def test_a_shard_it_cannot_reach_spends_no_attempt(rig) -> None:
     saver._clients = lambda sid: shard
     assert saver.stage("local", FP, [(key(0), block(0))]) == 1
     assert saver.wait_idle(10) and saver.take_outcomes() == ([key(0)], []) and saver.take_skipped() == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_saver_thread_runs_at_its_own_nice_value_and_the_caller_keeps_its_own() -> None:
+    """``nice`` lowers the saver's thread alone: the thread that calls ``stage`` (vLLM's model runner) keeps its
+    priority, and a save still completes."""
+    fabric = LoopbackFabric()
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
+    shard = StoreShardClient(store, fabric)
+    caller_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: shard, lambda sid: None,
+                       slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0, nice=19)
+    try:
+        tid = saver._thread.native_id
+        assert tid is not None
+        assert saver.thread_nice == 19 == os.getpriority(os.PRIO_PROCESS, tid)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_before
+        assert saver.stage("local", FP, [(key(1), block(1))]) == 1
+        assert saver.wait_idle(10)
+        assert saver.stats.blocks_committed == 1
+    finally:
+        shard.release()
+        saver.close()
+
+
+def test_the_default_saver_keeps_the_priority_it_was_started_with(rig) -> None:
+    saver, _, _, _ = rig
+    assert saver.nice == 0 and saver.thread_nice is None
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_a_nice_value_outside_0_to_19_is_refused(nice: int) -> None:
+    with pytest.raises(ValueError, match="nice"):
+        BlockSaver(LoopbackEndpoint(LoopbackFabric(), "x"), lambda sid: None, lambda sid: None, slot_bytes=BLOCK,
+                   staging_bytes=4 * BLOCK, deadline_s=5.0, nice=nice)

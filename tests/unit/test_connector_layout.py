@@ -139,3 +139,8 @@ def test_connector_config_parsing() -> None:
         ConnectorConfig(shards=[ShardRef("s", "a")], local_shard="other")
     with pytest.raises(ValueError, match="positive"):
         ConnectorConfig(lease_ttl_s=0)
+    assert ConnectorConfig().saver_nice == 19  # the saver yields the worker's core to the forward pass
+    assert ConnectorConfig.from_extra(ConnectorConfig(saver_nice=0).to_extra()).saver_nice == 0
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="saver_nice"):
+            ConnectorConfig(saver_nice=bad)
