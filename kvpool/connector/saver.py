@@ -96,8 +96,8 @@ class BlockSaver:
     def __init__(self, peers: KnownPeers | TransferEndpoint, clients: Callable[[str], Any],
                  forget: Callable[[str], None], *, slot_bytes: int, staging_bytes: int, deadline_s: float,
                  name: str = "kvpool-saver", model: str = "", nice: int = 0) -> None:
-        """``nice``: the saver thread's own nice value (0..19, ``ConnectorConfig.saver_nice``), set by the thread
-        when it starts; ``thread_nice`` says what it got (None: not set, e.g. not Linux)."""
+        """``nice``: the saver thread's own nice value (0..19, ``ConnectorConfig.saver_nice``), taken by the thread
+        before its first job (Linux only)."""
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -107,8 +107,6 @@ class BlockSaver:
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be in [0, 19], got {nice}")
         self.nice = nice
-        self.thread_nice: int | None = None
-        self._nice_set = threading.Event()
         self.stats = SaveStats()
         self._peers = peers if isinstance(peers, KnownPeers) else KnownPeers(peers)
         self._clients = clients
@@ -127,7 +125,6 @@ class BlockSaver:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self._nice_set.wait(5.0)
 
     # ------------------------------------------------------------------ model runner's thread
     def stage(self, shard_id: str, fingerprint: str, blocks: list[tuple[bytes, list[np.ndarray]]]) -> int:
@@ -202,15 +199,13 @@ class BlockSaver:
     def _lower_priority(self) -> None:
         """(The saver's thread, first thing) Take this thread's nice value. Linux schedules threads one by one, so
         this lowers the saver alone, not the forward pass beside it."""
+        if self.nice <= 0 or sys.platform != "linux":
+            return
+        tid = threading.get_native_id()
         try:
-            if self.nice > 0 and sys.platform == "linux":
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, max(self.nice, os.getpriority(os.PRIO_PROCESS, tid)))
-                self.thread_nice = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(self.nice, os.getpriority(os.PRIO_PROCESS, tid)))
         except OSError as exc:  # a sandbox without setpriority: the saver keeps the engine's priority
             log.warning("kvpool connector: could not set the saver thread's nice value to %d: %s", self.nice, exc)
-        finally:
-            self._nice_set.set()
 
     def _run(self) -> None:
         self._lower_priority()
