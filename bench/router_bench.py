@@ -4,7 +4,7 @@ For every (replicas, indexed blocks, prompt tokens) cell: a ``PrefixIndex`` hold
 filler spread over every replica's HBM and every shard's DRAM / SSD, plus the prompts' own prefixes: one replica
 holds half of each prompt in HBM, a shard on another node three quarters in DRAM, a third node all of it on SSD),
 then ``iters`` decisions, each timed in two parts:
-    lookup = ``ReplicaBook.states`` (the replica list the live router keeps) + ``PrefixIndex.snapshot``
+    lookup = ``ReplicaBook.view`` (the replica list and columns the live router keeps) + ``PrefixIndex.snapshot``
              (longest-prefix walk + the ClusterSnapshot for the policy)
     rank   = ``PolicyRunner.decide`` (cost_based over every replica, tie-break, the DecisionRecord)
     decision = lookup + rank
@@ -215,7 +215,8 @@ def _measure(cluster: _Cluster, runner: Any, requests: list[Any], iters: int, *,
         for _ in range(reports):
             cluster.load_report()
         c0, t0 = thread_ns(), wall_ns()
-        snap = index.snapshot(req, book.states(cluster.now))
+        replicas, columns = book.view(cluster.now)
+        snap = index.snapshot(req, replicas, columns=columns)
         t1, c1 = wall_ns(), thread_ns()
         rec = runner.decide(req, snap)
         t2, c2 = wall_ns(), thread_ns()

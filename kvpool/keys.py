@@ -25,12 +25,13 @@ numba call for the whole chain (~3-4x faster on long prompts: the loop's ~0.7 µ
 goes; the compression itself runs at hashlib's C speed).
 
 The kernel is opt-in per process: ``enable_jit()`` (the router's ingress calls it at start; the import costs ~0.3 s
-with numba's disk cache warm, ~1.7 s compiling). Never in a process that builds a vLLM engine: vLLM's CPU build scans
-every loaded module's globals when a worker starts (``register_triton_kernel_overrides``) and fails on llvmlite's
-function wrappers once numba is loaded — so the connector, which runs inside the engine, and in-process engines in
-tests and benches hash with hashlib. hashlib also serves chains shorter than ``JIT_MIN_BLOCKS``, parents that are not
-16 bytes, big-endian hosts, processes where the kernel cannot be imported (numba missing), ``KVSTACK_KEYS_JIT=0``
-in the environment, and any call where the kernel raises (logged once).
+with numba's disk cache warm, ~1.7 s compiling). ``use_jit`` is the process's one numba switch: the cost model's
+compiled SPLIT solvers (``router.policies.pricing``) follow it too. Never in a process that builds a vLLM engine:
+vLLM's CPU build scans every loaded module's globals when a worker starts (``register_triton_kernel_overrides``) and
+fails on llvmlite's function wrappers once numba is loaded — so the connector, which runs inside the engine, and
+in-process engines in tests and benches hash with hashlib. hashlib also serves chains shorter than
+``JIT_MIN_BLOCKS``, parents that are not 16 bytes, big-endian hosts, processes where the kernel cannot be imported
+(numba missing), ``KVSTACK_KEYS_JIT=0`` in the environment, and any call where the kernel raises (logged once).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from kvpool.events import EventBatch as ShardEventBatch
 from kvpool.events import EVENTS_WIRE_VERSION, EventKind, ShardSnapshot
 from kvpool.events import Tier as ShardTier
 from router.hub import HUB_WIRE_VERSION, ReplicaReport
-from router.policies.base import ClusterSnapshot, PoolHit, ReplicaState, RouteRequest
+from router.policies.base import ClusterSnapshot, PoolHit, ReplicaColumns, ReplicaState, RouteRequest
 
 SourceKind = Literal["replica", "shard"]
 HolderTier = Literal["hbm", "dram", "ssd"]
@@ -555,22 +555,34 @@ class PrefixIndex:
         request: RouteRequest,
         replicas: Sequence[ReplicaState],
         shard_queue_delay_s: Mapping[str, float] | None = None,
+        *,
+        columns: ReplicaColumns | None = None,
     ) -> ClusterSnapshot:
         """The ``ClusterSnapshot`` for ``request``: ``replicas`` (live ones with their load, from the load reports)
-        with ``hbm_prefix_blocks`` set from this index, and the pool hits (with each shard's queue delay)."""
+        with ``hbm_prefix_blocks`` set from this index, and the pool hits (with each shard's queue delay).
+        ``columns``: the same replicas as columns (``ReplicaBook.view``), passed on with their ``hbm`` column set
+        the same way (None: the snapshot carries none)."""
         match = self.query(request.block_keys)
         hbm = match.hbm
         out: Sequence[ReplicaState] = replicas
-        held = [r.hbm_prefix_blocks for r in replicas]
+        if columns is not None:
+            if len(columns.ids) != len(replicas):
+                raise ValueError(f"columns of {len(columns.ids)} replicas for a list of {len(replicas)}")
+            held = columns.hbm
+        else:
+            held = [r.hbm_prefix_blocks for r in replicas]
         stale_hbm = any(held)
         if hbm or stale_hbm:
             fixed = list(replicas)
+            blocks_of = held[:] if columns is not None else None
             if stale_hbm:  # values the caller left in: this index is the truth
                 for i in compress(range(len(fixed)), held):
                     if fixed[i].replica_id not in hbm:
                         fixed[i] = _with_hbm(fixed[i], 0)
+                        if blocks_of is not None:
+                            blocks_of[i] = 0
             if hbm:
-                ids = [r.replica_id for r in replicas]
+                ids = columns.ids if columns is not None else [r.replica_id for r in replicas]
                 if len(hbm) <= 8:  # the last replica with that id, as a dict of positions would give
                     last = len(ids) - 1
                     rev = ids[::-1]
@@ -584,7 +596,11 @@ class PrefixIndex:
                 for i, blocks in places:
                     if fixed[i].hbm_prefix_blocks != blocks:
                         fixed[i] = _with_hbm(fixed[i], blocks)
+                        if blocks_of is not None:
+                            blocks_of[i] = blocks
             out = fixed
+            if columns is not None:
+                columns = columns.with_changes(hbm=blocks_of)
         pool = match.pool
         if shard_queue_delay_s and pool:
             pool = tuple(
@@ -593,7 +609,7 @@ class PrefixIndex:
                 else h
                 for h in pool
             )
-        return ClusterSnapshot(out, pool)
+        return ClusterSnapshot(out, pool, columns)
 
     # ---- internals -------------------------------------------------------------------------------------------
 

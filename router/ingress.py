@@ -65,6 +65,7 @@ class OpenAIIngress:
         ``/kvstack/status``."""
         from kvpool import keys
         from router.live_view import LiveView
+        from router.policies import pricing
         from router.vllm_frontend import build_frontend
 
         self.router_id = serve.get_replica_context().replica_id.unique_id
@@ -84,6 +85,7 @@ class OpenAIIngress:
         self.access = access.AccessGate.from_settings(self.settings.access)
         access.install(self.access)
         keys.enable_jit()  # the block-key kernel, compiled (or loaded from its cache) now, not in a request
+        pricing.warm_up()  # and the cost model's SPLIT solvers (numba, now that this process opted in)
 
     def _route(self, model: str | None) -> ModelRoute:
         """The model a request names (the first one when it names none); the OpenAI 404 for an unknown one."""

@@ -303,11 +303,11 @@ class LiveView:
         matches another tenant's prefix, in HBM or in the pool; the decision record names the tenant."""
         salt = request_salt(self.settings.cache_salt, tenant, client_salt)
         keys = chain_keys(self.key_root(salt), token_ids, self.settings.block_size)
-        replicas = self.book.states(time.monotonic())
+        replicas, columns = self.book.view(time.monotonic())
         if not replicas:  # nothing reported yet: Serve's least-loaded fallback places it
             return Routed(None, None, "recompute", None, request_id, cache_salt=salt), list(keys)
         request = RouteRequest(request_id, len(token_ids), self.settings.block_size, keys)
-        record = self.runner.decide(request, self.index.snapshot(request, replicas))
+        record = self.runner.decide(request, self.index.snapshot(request, replicas, columns=columns))
         record.tenant = tenant
         plan = None
         if record.fetch is not None:

@@ -6,10 +6,12 @@ Who calls what (one per ``router.live_view.LiveView``, on the ingress's event lo
   is gone; ``observe_ttft`` when a request's first token arrives (the mean TTFT the queue model uses);
   ``touch(replica_id)`` after its calibration moved (MFU or fixed overhead); ``touch_all()`` after the base hardware
   changed (a detected GPU profile).
-- ``states(now)`` per decision: the cached list of the live replicas (heard from within ``ttl_s``) as the policies
-  see them (load, queue delay, calibrated hardware; ``hbm_prefix_blocks`` 0, the index fills it in per request).
-  Only replicas touched since the last call are rebuilt; a replica falling silent past the TTL drops out on the
-  first call after it expires. The list is shared: callers must not mutate it.
+- ``view(now)`` per decision: the cached list of the live replicas (heard from within ``ttl_s``) as the policies
+  see them (load, queue delay, calibrated hardware; ``hbm_prefix_blocks`` 0, the index fills it in per request) and
+  the same replicas as ``ReplicaColumns`` (what ``PrefixIndex.snapshot`` passes on to the policy); ``states(now)``
+  the list alone. Only replicas touched since the last call are rebuilt (in place in the list and the columns when
+  few changed); a replica falling silent past the TTL drops out on the first call after it expires. The list and
+  the columns are shared: callers must not mutate them.
 
 The queue delay a replica's state carries is ``Calibrator.overhead_s`` (the fitted fixed cost of a request) plus
 the prefill of the work waiting there: the replica reports its waiting requests' (received, no first token yet)
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from router.calibration import Calibrator
 from router.cost import Hardware, effective_flops, work_flops
 from router.hub import ReplicaPlacement
-from router.policies.base import ReplicaState
+from router.policies.base import ReplicaColumns, ReplicaState
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class ReplicaBook:
         self._states: dict[str, ReplicaState] = {}  # live replicas, in report order
         self._dirty: dict[str, None] = {}  # replicas whose state must be rebuilt, in report order
         self._list: list[ReplicaState] | None = None  # the states as a list (None: rebuild from _states)
+        self._columns = ReplicaColumns.of(())  # _list as columns (rebuilt with it, patched in place with it)
         self._position: dict[str, int] = {}  # replica id -> its index in _list
         self._expires_at = float("inf")  # when the oldest listed replica falls out of the TTL
 
@@ -106,6 +109,9 @@ class ReplicaBook:
         return {rid: load for rid, load in self.loads.items() if now - load.last_seen <= ttl}
 
     def states(self, now: float) -> list[ReplicaState]:
+        return self.view(now)[0]
+
+    def view(self, now: float) -> tuple[list[ReplicaState], ReplicaColumns]:
         if now > self._expires_at:  # somebody may have fallen silent: drop the expired, find the next expiry
             ttl = self.ttl_s
             for rid, load in self.loads.items():
@@ -128,14 +134,19 @@ class ReplicaBook:
                     in_place = False
                     self._list = None
                     self._expires_at = min(self._expires_at, load.last_seen + self.ttl_s)
-                elif in_place:  # a few changed: replace them in the list, which keeps its order
+                elif in_place:  # a few changed: replace them in the list and its columns, which keep their order
                     lst = self._list
                     assert lst is not None
-                    lst[self._position[rid]] = state
+                    i = self._position[rid]
+                    lst[i] = state
+                    cols = self._columns
+                    cols.nodes[i], cols.hws[i], cols.hw_ids[i] = state.node_id, hw, id(hw)
+                    cols.queues[i] = state.queue_delay_s
             self._dirty.clear()
             if not in_place:
                 self._list = None
         if self._list is None:
             self._list = list(self._states.values())
             self._position = {rid: i for i, rid in enumerate(self._states)}
-        return self._list
+            self._columns = ReplicaColumns.of(self._list)
+        return self._list, self._columns

@@ -81,11 +81,41 @@ class PoolHit(msgspec.Struct, frozen=True):
     queue_delay_s: float = 0.0
 
 
+@dataclass(slots=True)
+class ReplicaColumns:
+    """A snapshot's replicas as columns, index-aligned with ``ClusterSnapshot.replicas``: what a policy that scans
+    every replica reads (``cost_based``), without a pass over the states per request. Process-local (``hw_ids`` are
+    ``id()``s), never encoded. Kept up to date by ``router.replica_book.ReplicaBook`` as load reports change its states
+    (issue 13: "per-replica columns kept up to date by the load reports instead of rebuilt per request"); the index's
+    ``snapshot`` and the runner's in-flight view replace the columns they change (``hbm``, ``queues``) in a copy.
+    The lists are shared: readers must not mutate them."""
+
+    ids: list[str]
+    nodes: list[str]
+    hws: list[Hardware]
+    hw_ids: list[int]  # id() of each hardware object: replicas of one deployment share theirs
+    queues: list[float]  # queue_delay_s
+    hbm: list[int]  # hbm_prefix_blocks
+
+    @classmethod
+    def of(cls, replicas: Sequence[ReplicaState]) -> ReplicaColumns:
+        hws = [r.hw for r in replicas]
+        return cls([r.replica_id for r in replicas], [r.node_id for r in replicas], hws, list(map(id, hws)),
+                   [r.queue_delay_s for r in replicas], [r.hbm_prefix_blocks for r in replicas])
+
+    def with_changes(self, *, queues: list[float] | None = None, hbm: list[int] | None = None) -> ReplicaColumns:
+        return ReplicaColumns(self.ids, self.nodes, self.hws, self.hw_ids, self.queues if queues is None else queues,
+                              self.hbm if hbm is None else hbm)
+
+
 class ClusterSnapshot(msgspec.Struct, frozen=True):
-    """What the policy may look at: every live replica and every pool hit for this request."""
+    """What the policy may look at: every live replica and every pool hit for this request; ``columns``, when the
+    producer keeps them (the live router's ``ReplicaBook`` through ``PrefixIndex.snapshot``), the same replicas as
+    columns (``ReplicaColumns``; None: a policy that wants them builds them, ``ReplicaColumns.of``)."""
 
     replicas: Sequence[ReplicaState]
     pool_hits: Sequence[PoolHit] = ()
+    columns: ReplicaColumns | None = None
 
 
 class FetchPlan(msgspec.Struct, frozen=True):

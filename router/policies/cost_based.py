@@ -70,6 +70,7 @@ from router.policies.base import (
     NoReplicasError,
     PoolHit,
     Ranking,
+    ReplicaColumns,
     ReplicaState,
     RouteRequest,
     RoutingPolicy,
@@ -119,6 +120,8 @@ class FetchOption(NamedTuple):
     suffix_prefill: float  # prefill(P, p_x·bs): what is left to compute once the prefix is in place
     node_id: str  # the shard's node
     plan: ActionPlan  # FETCH of the whole prefix (a replica without an HBM prefix; made once per hit and request)
+    shard_queue_s: float  # q_x, the hit's shard queue
+    split_floor: float  # what a SPLIT from it costs at least: the tail's fixed parts (latency + state) + suffix_prefill
 
 
 _RECOMPUTE_PLAN = ActionPlan(_RECOMPUTE, -1, 0, 0, 0)
@@ -157,26 +160,50 @@ class _Group:
         self.split = split
         self.staged = staged
         self._opts: dict[tuple[int, str], list[Priced]] = {}
-        self._splits: dict[tuple[int, int, int], tuple[int, float] | None] = {}
+        self._splits: dict[tuple[int, int, int], tuple[int, float]] = {}  # (k, cost); k = -1: none
         self.recompute = co.prefill(prompt, 0.0)
         remote: tuple[list[FetchOption], list[FetchOption]] = ([], [])  # priced from another node: DRAM, SSD
         local: dict[str, list[FetchOption]] = {}  # node -> the hits on it, priced for a replica on that node
+        # ``HwCoeffs.prefill`` / ``fetch`` written out (the same operations; c > 0): a decision prices every hit.
+        lin, quad, kvb, state, lat, spb = co.lin, co.quad, co.kvb, co.state, co.lat, co.spb
+        pp = prompt * prompt
         for hi, (hit, p) in enumerate(hits):
             c = p * bs
-            pre = co.prefill(prompt, c)
+            pre = lin * (prompt - c) + quad * (pp - c * c)
             base = hit.queue_delay_s + pre
-            rc, lc = (DRAM_REMOTE, DRAM_LOCAL) if hit.tier == "dram" else (SSD_REMOTE, SSD_LOCAL)
+            moved = c * kvb + state
+            dram = hit.tier == "dram"
+            rc, lc = (DRAM_REMOTE, DRAM_LOCAL) if dram else (SSD_REMOTE, SSD_LOCAL)
             plan = _new(ActionPlan, (_FETCH, hi, 0, p, c))
-            remote[0 if hit.tier == "dram" else 1].append(
-                _new(FetchOption, (base + co.fetch(rc, c), hi, p, rc, pre, hit.node_id, plan)))
-            local.setdefault(hit.node_id, []).append(
-                _new(FetchOption, (base + co.fetch(lc, c), hi, p, lc, pre, hit.node_id, plan)))
+            node = hit.node_id
+            extra = hit.queue_delay_s
+            remote[0 if dram else 1].append(_new(FetchOption, (
+                base + (lat[rc] + moved * spb[rc]), hi, p, rc, pre, node, plan, extra,
+                self._split_floor(rc, extra) + pre)))
+            on_node = local.get(node)
+            if on_node is None:
+                on_node = local[node] = []
+            on_node.append(_new(FetchOption, (
+                base + (lat[lc] + moved * spb[lc]), hi, p, lc, pre, node, plan, extra,
+                self._split_floor(lc, extra) + pre)))
         remote[0].sort()
         remote[1].sort()
         self.remote = remote
         self.local = local
         self.fast = _Class(self.options(0, ""))  # no HBM prefix, no hit on the node: every hit is remote
         self.classes: dict[str, _Class] = {}
+
+    def _split_floor(self, cls: int, extra: float) -> float:
+        """A SPLIT of a hit of tier class ``cls`` (shard queue ``extra``) costs at least its tail's fixed parts:
+        latency and state of the pull (from another node, when staged) and of the load, before the suffix prefill.
+        ``options`` skips one that cannot beat its limit even so, unsolved (same floats: every step rounds
+        monotonically)."""
+        lat, spb, state = self.co.lat, self.co.spb, self.co.state
+        if not self.staged:
+            return (lat[cls] + extra) + state * spb[cls]
+        if cls in _REMOTE:  # pulled to the replica's node shard, then loaded from it
+            return lat[DRAM_LOCAL] + state * spb[DRAM_LOCAL] + extra + (lat[cls] + state * spb[cls])
+        return lat[cls] + state * spb[cls] + extra  # on the replica's node: loaded from it, nothing to pull
 
     def node_class(self, node: str) -> _Class:
         c = self.classes.get(node)
@@ -205,7 +232,8 @@ class _Group:
             out.append((t, _new(ActionPlan, (_HOLDER, -1, 0, 0, hbt))))
             best = t if t < best else best
         # The useful hits: those on the replica's node, and per storage tier the cheapest on another node.
-        opts = [e for e in self.local.get(node, ()) if e.prefix_blocks > hb]
+        here = self.local.get(node)
+        opts = [e for e in here if e.prefix_blocks > hb] if here else []
         for lst in self.remote:
             for e in lst:
                 if e.prefix_blocks > hb and e.node_id != node:
@@ -222,31 +250,30 @@ class _Group:
             best = t if t < best else best
         if self.split and opts:
             limit = self.split * best
-            lat, state = co.lat, co.state
+            lat, state, lin, quad = co.lat, co.state, co.lin, co.quad
             splits = self._splits
             staged = self.staged
+            hbf = float(hbt)
             for e in opts:
-                extra = self.hits[e.hit][0].queue_delay_s
-                cls = e.tier_class
-                # A SPLIT costs at least the tail's fixed parts (latency + state), so one that cannot beat
-                # ``limit`` even with them is skipped unsolved (same floats: every step rounds monotonically).
-                if staged:
-                    pull_cls, load_cls = (cls, DRAM_LOCAL) if cls in _REMOTE else (-1, cls)
-                    floor = lat[load_cls] + state * spb[load_cls] + extra
-                    if pull_cls >= 0:
-                        floor += lat[cls] + state * spb[cls]
-                else:
-                    floor = (lat[cls] + extra) + state * spb[cls]
-                if floor + e.suffix_prefill > limit:
+                if e.split_floor > limit:
                     continue
+                cls = e.tier_class
                 key = (e.hit, cls, hbt)
-                if key in splits:
-                    s = splits[key]
-                elif staged:
-                    s = splits[key] = co.split_staged(pull_cls, load_cls, hbt, e.prefix_blocks * bs, bs, extra)
-                else:
-                    s = splits[key] = co.split(cls, hbt, e.prefix_blocks * bs, bs, extra)
-                if s is not None and s[1] + e.suffix_prefill <= limit:
+                s = splits.get(key)
+                if s is None:
+                    # The solver's arguments are ``HwCoeffs.split_staged`` / ``split``'s (the reference's).
+                    cf = float(e.prefix_blocks * bs)
+                    extra = e.shard_queue_s
+                    if not staged:
+                        s = co.solve_overlap(lin, quad, kvb, state, lat[cls] + extra, spb[cls], hbf, cf, bs)
+                    elif cls in _REMOTE:
+                        s = co.solve_staged(lin, quad, kvb, state, lat[cls] + extra, spb[cls], lat[DRAM_LOCAL],
+                                            spb[DRAM_LOCAL], True, hbf, cf, bs)
+                    else:
+                        s = co.solve_staged(lin, quad, kvb, state, 0.0, 0.0, lat[cls] + extra, spb[cls], False, hbf,
+                                            cf, bs)
+                    splits[key] = s
+                if s[0] >= 0 and s[1] + e.suffix_prefill <= limit:
                     k = s[0]
                     plan = _new(ActionPlan, (_SPLIT, e.hit, k, e.prefix_blocks, hbt + (e.prefix_blocks - k) * bs))
                     out.append((s[1] + e.suffix_prefill, plan))
@@ -294,8 +321,10 @@ def hold_back(
     replica with a HOLDER candidate. Returns the candidates reordered, choosable first (HOLDERs and the actions that
     beat the best HOLDER by the margin, best-first: the first is the decision), then the held-back ones (best-first,
     noted ``HELD_BACK``), and the number of choosable ones."""
-    h = next((c for c in cands if c.action is Action.HOLDER), None)
-    if h is None:
+    for h in cands:
+        if h.action is Action.HOLDER:
+            break
+    else:
         return list(cands), len(cands)
     th = h.predicted_ttft_s
     near = max(window_abs_s, window_rel * th)
@@ -372,22 +401,22 @@ class CostBased(RoutingPolicy):
         rs = cluster.replicas
         if not isinstance(rs, (list, tuple)):
             rs = list(rs)
+        # The replicas as columns (the live router's, kept by its ReplicaBook; else built here). One _Group per
+        # hardware object (keyed by identity: replicas of one deployment share theirs, calibrated ones share one per
+        # MFU grid point); per group, one class for the replicas without an HBM prefix and without a pool hit on
+        # their node (its fast class: each such replica costs its queue plus the class's precomputed best), one per
+        # node with a pool hit.
+        cols = cluster.columns if cluster.columns is not None else ReplicaColumns.of(rs)
+        qs, hws, nodes, hids, hbs = cols.queues, cols.hws, cols.nodes, cols.hw_ids, cols.hbm
         if self._rng is not None and n > 1:
             s = int(self._rng.random() * n)
             if s:
                 rs = rs[s:] + rs[:s]
+                qs, hws, nodes, hids = qs[s:] + qs[:s], hws[s:] + hws[:s], nodes[s:] + nodes[:s], hids[s:] + hids[:s]
+                hbs = hbs[s:] + hbs[:s] if max_blocks > 0 else hbs
         split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
 
-        # Column views of the replicas (list comprehensions: CPython 3.11 specialises their slot reads, faster than
-        # map(attrgetter)). One _Group per hardware object (keyed by identity: replicas of one deployment share
-        # theirs, calibrated ones share one per MFU grid point); per group, one class for the replicas without an
-        # HBM prefix and without a pool hit on their node (its fast class: each such replica costs its queue plus
-        # the class's precomputed best), one per node with a pool hit.
-        qs = [r.queue_delay_s for r in rs]
-        hws = [r.hw for r in rs]
-        nodes = [r.node_id for r in rs]
-        hids = list(map(id, hws))
         groups: dict[int, _Group] = {}
         for h in dict.fromkeys(hids):
             groups[h] = _Group(pricer.coeffs(hws[hids.index(h)]), prompt, bs, hits, split, self.split_staging)
@@ -402,17 +431,32 @@ class CostBased(RoutingPolicy):
             costs = [q + c.cost for q, c in zip(qs, cls_list)]
         local = next(iter(groups.values())).local  # the nodes with a pool hit (the same for every group)
         on_local = [i for i in range(n) if nodes[i] in local] if local else []
-        for i in on_local:
-            c = cls_list[i] = groups[hids[i]].node_class(nodes[i])
-            costs[i] = qs[i] + c.cost
+        if max_blocks <= 0:
+            hbs = ()
+        holders = any(hbs)  # replicas holding a prefix in HBM (hbs[i] > 0) are priced one by one below
+        # The node classes' members, and per node class its least-queued member that holds no prefix (the lowest
+        # index among equal queues); ``masked``: the queues with every member of a node class masked.
+        by_node: dict[_Class, tuple[float, int]] = {}
+        masked: list[float] | None = None
+        if on_local:
+            masked = qs[:]
+            for i in on_local:
+                c = cls_list[i] = groups[hids[i]].node_class(nodes[i])
+                q = qs[i]
+                costs[i] = q + c.cost
+                masked[i] = _INF
+                if holders and hbs[i] > 0:
+                    continue
+                least = by_node.get(c)
+                if least is None or q < least[0]:
+                    by_node[c] = (q, i)
 
         act_cost = [_INF, _INF, _INF, _INF]
         act_at = [-1, -1, -1, -1]
         act_desc: list[ActionPlan] = [_RECOMPUTE_PLAN] * 4
         # Replicas holding a prefix in HBM: priced one by one.
         special: dict[int, ActionPlan] = {}
-        hbs = [r.hbm_prefix_blocks for r in rs] if max_blocks > 0 else ()
-        if any(hbs):
+        if holders:
             for i in compress(range(n), hbs):
                 hb = hbs[i]
                 if hb <= 0:
@@ -434,14 +478,8 @@ class CostBased(RoutingPolicy):
         if not special and not on_local and len(groups) == 1:
             firsts = [(qs.index(min(qs)), cls_list[0])]
         else:
-            masked = qs[:]
-            by_node: dict[_Class, tuple[float, int]] = {}
-            for i in on_local:
-                masked[i] = _INF
-                if i not in special:
-                    c = cls_list[i]
-                    if c not in by_node or qs[i] < by_node[c][0]:
-                        by_node[c] = (qs[i], i)
+            if masked is None:
+                masked = qs[:]
             for i in special:
                 masked[i] = _INF
             firsts = [(i, c) for c, (_, i) in by_node.items()]

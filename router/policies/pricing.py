@@ -23,18 +23,25 @@ against its ``router.cost`` counterpart):
 
 SPLIT's meeting point ``h`` (head compute == tail fetch) is the positive root of a quadratic (the closed form of
 ``cost.split_point``'s bisection, generalised to a replica that already holds ``hbm`` tokens), then rounded to a
-block boundary because a fetch plan moves whole blocks.
+block boundary because a fetch plan moves whole blocks. The two solvers (``solve_overlap``, ``solve_staged``) are
+plain functions of floats: where the process opted into numba (``kvpool.keys.enable_jit``, the router's ingress)
+``HwCoeffs`` calls them compiled (``router.policies.split_jit``), elsewhere as they are.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from configs.schema import TierSpec
+from kvpool import keys
 from router.cost import GB, TERA, Hardware, kv_bytes_per_token
 from router.policies.base import Action, Candidate, FetchPlan, PoolHit, ReplicaState, RouteRequest, StorageTier
+
+log = logging.getLogger(__name__)
 
 # Tier classes: index into HwCoeffs.lat / HwCoeffs.spb.
 DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE = 0, 1, 2, 3
@@ -93,7 +100,7 @@ def tier_class(storage: StorageTier, same_node: bool) -> int:
 class HwCoeffs:
     """Per-hardware constants of the cost model (seconds per token, bytes per token, per tier class)."""
 
-    __slots__ = ("kvb", "lat", "lin", "quad", "spb", "state", "tiers")
+    __slots__ = ("kvb", "lat", "lin", "quad", "solve_overlap", "solve_staged", "spb", "state", "tiers")
 
     def __init__(self, hw: Hardware, tier_map: TierMap | None) -> None:
         model = hw.model
@@ -116,6 +123,7 @@ class HwCoeffs:
             specs = (tier_map.dram_local, tier_map.dram_remote, tier_map.ssd_local, tier_map.ssd_remote)
             self.lat = tuple(t.latency_s for t in specs)
             self.spb = tuple(1.0 / (hw.bw_util * t.bandwidth_gbps * GB) for t in specs)
+        self.solve_overlap, self.solve_staged = _split_solvers()
 
     def prefill(self, tokens: float, cached: float) -> float:
         return self.lin * (tokens - cached) + self.quad * (tokens * tokens - cached * cached)
@@ -125,45 +133,16 @@ class HwCoeffs:
             return 0.0
         return self.lat[cls_index] + (tokens * self.kvb + self.state) * self.spb[cls_index]
 
-    def _meeting_point(self, lat: float, spb: float, h0: float, c: float) -> float:
-        """Tokens t where computing [h0, t) takes as long as fetching [t, c) at (lat, spb): the positive root of
-        lin·(t − h0) + quad·(t² − h0²) = lat + ((c − t)·kvb + state)·spb."""
-        lin, quad, kvb = self.lin, self.quad, self.kvb
-        b = lin + kvb * spb
-        cc = lin * h0 + quad * h0 * h0 + lat + (c * kvb + self.state) * spb
-        return 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
-
     def split(
         self, cls_index: int, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
     ) -> tuple[int, float] | None:
         """Best block boundary ``k`` (in blocks) to compute [hbm, k·bs) while fetching [k·bs, prefix) and the
-        overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all."""
-        lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
-        lat = self.lat[cls_index] + extra_latency_s
-        spb = self.spb[cls_index]
-        h0, c = hbm_tokens, prefix_tokens
-        h = self._meeting_point(lat, spb, h0, c)
-        k0 = int(h0) // block_size
-        k_end = int(c) // block_size
-        k = int(h // block_size)
-        hh = h0 * h0
-        best: tuple[int, float] | None = None
-        # The two block boundaries around h (k0: that is FETCH; k_end: no fetch, that is HOLDER/RECOMPUTE).
-        if k0 < k < k_end:
-            t = k * block_size
-            head = lin * (t - h0) + quad * (t * t - hh)
-            tail = lat + ((c - t) * kvb + state) * spb
-            best = (k, head if head > tail else tail)
-        k += 1
-        if k0 < k < k_end:
-            t = k * block_size
-            head = lin * (t - h0) + quad * (t * t - hh)
-            tail = lat + ((c - t) * kvb + state) * spb
-            overlap = head if head > tail else tail
-            if best is None or overlap < best[1]:
-                best = (k, overlap)
-        return best
-
+        overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all
+        (``solve_overlap``)."""
+        k, overlap = self.solve_overlap(self.lin, self.quad, self.kvb, self.state,
+                                        self.lat[cls_index] + extra_latency_s, self.spb[cls_index],
+                                        float(hbm_tokens), float(prefix_tokens), block_size)
+        return (k, overlap) if k >= 0 else None
 
     def split_staged(
         self, pull_cls: int, load_cls: int, hbm_tokens: float, prefix_tokens: float, block_size: int,
@@ -172,52 +151,118 @@ class HwCoeffs:
         """SPLIT as an engine that loads only leading prefixes can run it (``deployments.replica``): the replica
         computes the head [hbm, k·bs) as a request of its own while the node's shard pulls the tail [k·bs, prefix)
         from the hit's shard (class ``pull_cls``; -1: the hit is on the replica's node, nothing to pull), then the
-        request loads the tail from the node's shard (class ``load_cls``) on top of the cached head:
+        request loads the tail from the node's shard (class ``load_cls``) on top of the cached head
+        (``solve_staged``). Returns (k, f) without the suffix prefill, or ``None`` when no interior boundary
+        (between FETCH at k = hbm/bs and no fetch at k = prefix/bs) exists."""
+        pull = pull_cls >= 0
+        k, total = self.solve_staged(
+            self.lin, self.quad, self.kvb, self.state,
+            self.lat[pull_cls] + extra_latency_s if pull else 0.0, self.spb[pull_cls] if pull else 0.0,
+            self.lat[load_cls] + (0.0 if pull else extra_latency_s), self.spb[load_cls], pull,
+            float(hbm_tokens), float(prefix_tokens), block_size)
+        return (k, total) if k >= 0 else None
 
-            f(t) = max(H(t), T(t)) + R(t)      H = prefill(t, hbm), T = pull of the tail, R = load of the tail
 
-        (without a pull: f = H + R, the head computed and the tail loaded one after the other). For t below the
-        meeting point t* of H and T, f = T + R falls; above it f = H + R is convex with its minimum where
-        H'(t) = −R'(t), i.e. t_m = (kvb·spb_load − lin) / (2·quad). The best t is max(t*, t_m); f is unimodal, so
-        the best interior block boundary is one of the two around it (clamped to the interior). Returns (k, f)
-        without the suffix prefill, or ``None`` when no interior boundary (between FETCH at k = hbm/bs and no fetch
-        at k = prefix/bs) exists."""
-        lin, quad, kvb, state = self.lin, self.quad, self.kvb, self.state
-        h0, c = hbm_tokens, prefix_tokens
-        k0 = int(h0) // block_size
-        k_end = int(c) // block_size
-        if k_end - k0 < 2:
-            return None
-        l_spb = self.spb[load_cls]
-        l_lat = self.lat[load_cls] + (0.0 if pull_cls >= 0 else extra_latency_s)
-        if pull_cls >= 0:
-            p_lat = self.lat[pull_cls] + extra_latency_s
-            p_spb = self.spb[pull_cls]
-            meet = self._meeting_point(p_lat, p_spb, h0, c)
-        else:
-            p_lat = p_spb = 0.0
-            meet = h0
-        if quad > 0:
-            t_m = (kvb * l_spb - lin) / (2.0 * quad)
-        else:
-            t_m = c if kvb * l_spb > lin else h0
-        hh = h0 * h0
-        # f falls up to t* and is convex after it: unimodal, so the best block boundary is next to the optimum.
-        t_opt = meet if meet > t_m else t_m
-        k = int(t_opt // block_size)
-        k = k0 + 1 if k <= k0 else k_end - 1 if k >= k_end else k  # interior (k + 1 too, unless it is k_end)
-        best: tuple[int, float] | None = None
-        for kk in (k, k + 1):
-            if kk >= k_end:
-                break
+# ---- the SPLIT solvers: plain functions of floats, so numba can compile them as they are (``_split_solvers``) ------
+
+def meeting_point(lin: float, quad: float, kvb: float, state: float, lat: float, spb: float, h0: float,
+                  c: float) -> float:
+    """Tokens t where computing [h0, t) takes as long as fetching [t, c) at (lat, spb): the positive root of
+    lin·(t − h0) + quad·(t² − h0²) = lat + ((c − t)·kvb + state)·spb."""
+    b = lin + kvb * spb
+    cc = lin * h0 + quad * h0 * h0 + lat + (c * kvb + state) * spb
+    return 2.0 * cc / (b + math.sqrt(b * b + 4.0 * quad * cc)) if b > 0 else c
+
+
+def solve_overlap(lin: float, quad: float, kvb: float, state: float, lat: float, spb: float, h0: float, c: float,
+                  block_size: int) -> tuple[int, float]:
+    """``HwCoeffs.split``: the ideal overlap of computing [h0, t) and fetching [t, c) (latency ``lat``, the hit's
+    shard queue included), at the block boundary next to the meeting point that overlaps best. Returns (k, overlap),
+    k = -1 when neither boundary around the meeting point is interior (k0 < k < k_end)."""
+    h = meeting_point(lin, quad, kvb, state, lat, spb, h0, c)
+    k0 = int(h0) // block_size
+    k_end = int(c) // block_size
+    k = int(h // block_size)
+    hh = h0 * h0
+    best_k, best = -1, 0.0
+    # The two block boundaries around h (k0: that is FETCH; k_end: no fetch, that is HOLDER/RECOMPUTE).
+    for kk in (k, k + 1):
+        if k0 < kk < k_end:
             t = kk * block_size
-            tail_bytes = (c - t) * kvb + state
             head = lin * (t - h0) + quad * (t * t - hh)
-            pull = p_lat + tail_bytes * p_spb if pull_cls >= 0 else 0.0
-            total = (head if head > pull else pull) + l_lat + tail_bytes * l_spb
-            if best is None or total < best[1]:
-                best = (kk, total)
-        return best
+            tail = lat + ((c - t) * kvb + state) * spb
+            overlap = head if head > tail else tail
+            if best_k < 0 or overlap < best:
+                best_k, best = kk, overlap
+    return best_k, best
+
+
+def solve_staged(lin: float, quad: float, kvb: float, state: float, p_lat: float, p_spb: float, l_lat: float,
+                 l_spb: float, pull: bool, h0: float, c: float, block_size: int) -> tuple[int, float]:
+    """``HwCoeffs.split_staged``: with the tail pulled at (p_lat, p_spb) when ``pull`` and then loaded at
+    (l_lat, l_spb),
+
+        f(t) = max(H(t), T(t)) + R(t)      H = prefill(t, h0), T = pull of the tail, R = load of the tail
+
+    (without a pull: f = H + R, the head computed and the tail loaded one after the other). For t below the
+    meeting point t* of H and T, f = T + R falls; above it f = H + R is convex with its minimum where
+    H'(t) = −R'(t), i.e. t_m = (kvb·l_spb − lin) / (2·quad). The best t is max(t*, t_m); f is unimodal, so the best
+    interior block boundary is one of the two around it (clamped to the interior). Returns (k, f) without the
+    suffix prefill, k = -1 when no interior boundary exists."""
+    k0 = int(h0) // block_size
+    k_end = int(c) // block_size
+    if k_end - k0 < 2:
+        return -1, 0.0
+    meet = meeting_point(lin, quad, kvb, state, p_lat, p_spb, h0, c) if pull else h0
+    if quad > 0:
+        t_m = (kvb * l_spb - lin) / (2.0 * quad)
+    else:
+        t_m = c if kvb * l_spb > lin else h0
+    hh = h0 * h0
+    # f falls up to t* and is convex after it: unimodal, so the best block boundary is next to the optimum.
+    t_opt = meet if meet > t_m else t_m
+    k = int(t_opt // block_size)
+    k = k0 + 1 if k <= k0 else k_end - 1 if k >= k_end else k  # interior (k + 1 too, unless it is k_end)
+    best_k, best = -1, 0.0
+    for kk in (k, k + 1):
+        if kk >= k_end:
+            break
+        t = kk * block_size
+        tail_bytes = (c - t) * kvb + state
+        head = lin * (t - h0) + quad * (t * t - hh)
+        pulled = p_lat + tail_bytes * p_spb if pull else 0.0
+        total = (head if head > pulled else pulled) + l_lat + tail_bytes * l_spb
+        if best_k < 0 or total < best:
+            best_k, best = kk, total
+    return best_k, best
+
+
+def _split_solvers() -> tuple[Any, Any]:
+    """(``solve_overlap``, ``solve_staged``) as ``HwCoeffs`` calls them: numba-compiled (``router.policies.split_jit``,
+    ~3x faster: a decision solves a few SPLITs) in a process that opted into numba with ``kvpool.keys.enable_jit``
+    (the router's ingress; never a vLLM engine process, see ``kvpool.keys``), these Python functions elsewhere and
+    where compiling fails (logged once). Both give the same floats (``tests/unit/test_split_jit.py``)."""
+    global _compiled_solvers
+    if not keys.use_jit:
+        return solve_overlap, solve_staged
+    if _compiled_solvers is None:
+        try:
+            from router.policies import split_jit
+
+            _compiled_solvers = split_jit.compile_solvers(meeting_point, solve_overlap, solve_staged)
+        except Exception as exc:  # numba missing or failing to compile: the Python solvers, for good
+            log.warning("router.policies.pricing: numba SPLIT solvers unavailable (%r); solving in Python", exc)
+            _compiled_solvers = (solve_overlap, solve_staged)
+    return _compiled_solvers
+
+
+_compiled_solvers: tuple[Any, Any] | None = None
+
+
+def warm_up() -> bool:
+    """Compile the SPLIT solvers now (process start, ~0.4 s) where this process opted into numba, so no decision
+    pays it; True if decisions will use the compiled ones."""
+    return _split_solvers()[0] is not solve_overlap
 
 
 class Pricer:

@@ -264,13 +264,17 @@ class PolicyRunner:
         if not extra:
             return snapshot
         replicas = list(snapshot.replicas)
-        ids = [r.replica_id for r in replicas]  # unique in a snapshot
+        cols = snapshot.columns
+        ids = cols.ids if cols is not None else [r.replica_id for r in replicas]  # unique in a snapshot
+        queues = cols.queues[:] if cols is not None else None
         for rid, (count, added_s) in extra.items():  # a few replicas: their positions found by C scans
             if rid in ids:
                 i = ids.index(rid)
                 r = replicas[i]
                 replicas[i] = replace_struct(r, waiting=r.waiting + count, queue_delay_s=r.queue_delay_s + added_s)
-        return ClusterSnapshot(replicas, snapshot.pool_hits)
+                if queues is not None:
+                    queues[i] = replicas[i].queue_delay_s
+        return ClusterSnapshot(replicas, snapshot.pool_hits, None if cols is None else cols.with_changes(queues=queues))
 
 
 def _find(replicas: Sequence[ReplicaState], replica_id: str) -> ReplicaState | None:

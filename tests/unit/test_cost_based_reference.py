@@ -6,10 +6,12 @@ over the written-out candidates."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from router.policies.base import Candidate, ClusterSnapshot, PoolHit, RouteRequest
+from router.policies.base import Candidate, ClusterSnapshot, PoolHit, ReplicaColumns, RouteRequest
 from router.policies.cost_based import HELD_BACK, CostBased, _candidate, _Group, hold_back, price_replica
 from router.policies.pricing import Pricer
 from tests.fakes.router import router_hw, router_replica, router_tier_map
@@ -36,6 +38,17 @@ def _case(rng: random.Random) -> tuple[RouteRequest, list[PoolHit], list]:  # ty
     return request, hits, replicas
 
 
+def replica_cases(rng: random.Random, n: int) -> Iterator[tuple[RouteRequest, list[tuple[PoolHit, int]], Any, int]]:
+    """``n`` random cases, one item per replica: the request, its hits with their prefixes clamped to its full
+    blocks (those left with any, as ``rank`` hands them to ``_Group``), the replica and its clamped HBM prefix."""
+    for _ in range(n):
+        request, hits, replicas = _case(rng)
+        max_blocks = min(len(request.block_keys), request.prompt_tokens // request.block_size)
+        clamped = [(h, min(h.prefix_blocks, max_blocks)) for h in hits if min(h.prefix_blocks, max_blocks) > 0]
+        for r in replicas:
+            yield request, clamped, r, min(r.hbm_prefix_blocks, max_blocks)
+
+
 def _key(c: Candidate) -> tuple:  # type: ignore[type-arg]
     f = c.fetch
     plan = None if f is None else (f.shard_id, f.start_block, f.end_block)
@@ -48,25 +61,19 @@ def test_options_match_the_written_out_formulas(staged: bool, gain: float | None
     rng = random.Random(f"{staged}{gain}")
     pricer = Pricer(router_tier_map())
     splits_seen = 0
-    for _ in range(400):
-        request, hits, replicas = _case(rng)
-        bs = request.block_size
-        max_blocks = min(len(request.block_keys), request.prompt_tokens // bs)
-        clamped = [(h, min(h.prefix_blocks, max_blocks)) for h in hits if min(h.prefix_blocks, max_blocks) > 0]
-        for r in replicas:
-            group = _Group(pricer.coeffs(r.hw), float(request.prompt_tokens), bs, clamped,
-                           0.0 if gain is None else 1.0 - gain, staged)
-            hb = min(r.hbm_prefix_blocks, max_blocks)
-            fast = [_candidate(r, plan, r.queue_delay_s + t, clamped) for t, plan in group.options(hb, r.node_id)]
-            assert [_key(c) for c in fast] == [_key(c) for c in
-                                               [_candidate(r, p, r.queue_delay_s + t, clamped)
-                                                for t, p in group.priced(hb, r.node_id)]]
-            ref = price_replica(pricer, r, request, [h for h, _ in clamped], split_min_gain=gain, split_staging=staged)
-            assert sorted(map(_key, fast)) == sorted(map(_key, ref))
-            by_key = {_key(c): c.predicted_ttft_s for c in ref}
-            for c in fast:
-                assert c.predicted_ttft_s == pytest.approx(by_key[_key(c)], rel=1e-9, abs=1e-12)
-            splits_seen += sum(c.action.value == "split" for c in fast)
+    for request, clamped, r, hb in replica_cases(rng, 400):
+        group = _Group(pricer.coeffs(r.hw), float(request.prompt_tokens), request.block_size, clamped,
+                       0.0 if gain is None else 1.0 - gain, staged)
+        fast = [_candidate(r, plan, r.queue_delay_s + t, clamped) for t, plan in group.options(hb, r.node_id)]
+        assert [_key(c) for c in fast] == [_key(c) for c in
+                                           [_candidate(r, p, r.queue_delay_s + t, clamped)
+                                            for t, p in group.priced(hb, r.node_id)]]
+        ref = price_replica(pricer, r, request, [h for h, _ in clamped], split_min_gain=gain, split_staging=staged)
+        assert sorted(map(_key, fast)) == sorted(map(_key, ref))
+        by_key = {_key(c): c.predicted_ttft_s for c in ref}
+        for c in fast:
+            assert c.predicted_ttft_s == pytest.approx(by_key[_key(c)], rel=1e-9, abs=1e-12)
+        splits_seen += sum(c.action.value == "split" for c in fast)
     if gain is not None:
         assert splits_seen > 0  # the cases reach SPLIT, so its branch is compared too
 
@@ -95,3 +102,17 @@ def test_rank_picks_what_the_pick_step_picks_from_the_written_out_candidates(unc
                    for c in picked if c.note != HELD_BACK)
         held_seen += picked[0] is not ref[0]
     assert held_seen > 0  # the cases reach the hold-back, so the pick is compared where it matters
+
+
+def test_rank_reads_the_columns_as_it_reads_the_states() -> None:
+    """A snapshot carrying its replicas as columns (the live router's) ranks exactly as one without (columns built
+    from the states), with the random rotation of exact ties too (the same RNG draws)."""
+    rng = random.Random(11)
+    tiers = router_tier_map()
+    for case in range(300):
+        request, hits, replicas = _case(rng)
+        seed = rng.random()
+        a = CostBased(tier_map=tiers, rng=random.Random(seed)).rank(request, ClusterSnapshot(replicas, tuple(hits)))
+        b = CostBased(tier_map=tiers, rng=random.Random(seed)).rank(
+            request, ClusterSnapshot(replicas, tuple(hits), ReplicaColumns.of(replicas)))
+        assert a.candidates == b.candidates and a.choosable == b.choosable, case

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvpool.events import EVENTS_WIRE_VERSION, BlockEvent, EventBatch, EventKind, ShardSnapshot, Tier
 from router.hub import ReplicaReport
 from router.index import PrefixIndex
-from router.policies.base import PoolHit
+from router.policies.base import PoolHit, ReplicaColumns
 from tests.fakes.router import RouterClock, router_keys, router_replica, router_request
 
 KEYS = router_keys(64)
@@ -166,6 +166,26 @@ def test_snapshot_fills_prefixes_and_shard_queues() -> None:
     assert [r.hbm_prefix_blocks for r in snap.replicas] == [0, 20, 0]
     assert snap.replicas[0] is reps[0]  # untouched replicas are not copied
     assert snap.pool_hits == (PoolHit("s0", "node-2", "dram", 64, 0.02),)
+
+
+def test_snapshot_passes_the_columns_on_with_the_hbm_prefixes_it_set() -> None:
+    """With the caller's columns (``ReplicaBook.view``), the snapshot's columns are its replicas' (HBM prefixes set,
+    a stale value cleared) and share the unchanged columns; the caller's are left as they were."""
+    idx = PrefixIndex(clock=RouterClock())
+    request = router_request(64 * 16)
+    keys = list(request.block_keys)
+    idx.apply_replica_report(rep("r1", 1, stored=keys[:20]))
+    reps = [router_replica("r0"), router_replica("r1"), router_replica("r2", hbm_prefix_blocks=5)]
+    cols = ReplicaColumns.of(reps)
+    snap = idx.snapshot(request, reps, columns=cols)
+    assert snap.columns == ReplicaColumns.of(snap.replicas)
+    assert snap.columns.hbm == [0, 20, 0] and cols.hbm == [0, 0, 5]
+    assert snap.columns.queues is cols.queues and snap.columns.ids is cols.ids
+    plain = [router_replica("r3"), router_replica("r4")]  # nothing held: the caller's columns as they are
+    assert idx.snapshot(request, plain, columns=ReplicaColumns.of(plain)).columns == ReplicaColumns.of(plain)
+    assert idx.snapshot(request, reps).columns is None
+    with pytest.raises(ValueError, match="columns of 2 replicas"):
+        idx.snapshot(request, reps, columns=ReplicaColumns.of(plain))
 
 
 def test_one_report_removes_then_stores_and_versions_are_checked() -> None:

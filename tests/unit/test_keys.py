@@ -153,11 +153,23 @@ def kernel_loaded_before_timed_tests() -> Iterator[None]:
 
 def test_the_kernel_is_off_unless_a_process_asks_for_it() -> None:
     """A vLLM engine cannot start in a process that loaded numba (vLLM's CPU build scans every module's globals and
-    fails on llvmlite's wrappers): importing kvpool.keys and hashing long prompts must not load it."""
-    script = ("import sys, kvpool.keys as k\n"
+    fails on llvmlite's wrappers): importing kvpool.keys and hashing long prompts must not load it, nor must the
+    cost model's SPLIT solvers (``router.policies.pricing``, which follow the same switch) when cost_based ranks,
+    SPLITs included."""
+    script = ("import random, sys, kvpool.keys as k\n"
+              "from router.policies import pricing\n"
+              "from router.policies.base import ClusterSnapshot\n"
+              "from router.policies.cost_based import CostBased\n"
+              "from tests.fakes.router import router_tier_map\n"
+              "from tests.unit.test_cost_based_reference import _case\n"
               "k.chain_keys(bytes(16), list(range(16 * 100)), 16)\n"
+              "rng = random.Random(1)\n"
+              "for _ in range(50):\n"
+              "    request, hits, replicas = _case(rng)\n"
+              "    CostBased(tier_map=router_tier_map()).rank(request, ClusterSnapshot(replicas, tuple(hits)))\n"
+              "assert not pricing.warm_up()\n"
               "assert not k.use_jit and 'numba' not in sys.modules and 'llvmlite' not in sys.modules\n"
-              "assert k.enable_jit() and 'numba' in sys.modules\n"
+              "assert k.enable_jit() and 'numba' in sys.modules and pricing.warm_up()\n"
               "print('ok')\n")
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)

@@ -22,6 +22,7 @@ from router.policies.base import (
     NoReplicasError,
     PoolHit,
     Ranking,
+    ReplicaColumns,
     RouteRequest,
     RoutingPolicy,
 )
@@ -512,6 +513,24 @@ def test_inflight_assignments_expire_and_are_acknowledged() -> None:
     runner.acknowledge_replica("r0", clock.t + 1)
     runner.acknowledge_replica("r1", clock.t + 1)
     assert runner.inflight("r0") == runner.inflight("r1") == 0
+
+
+def test_the_inflight_view_keeps_the_columns_in_step_and_decides_as_without_them() -> None:
+    """The runner's in-flight view patches the queues column with the queue delays it adds, so a policy reading the
+    columns decides as one reading the states: two runners, one given columns, make the same decisions."""
+    clock = RouterClock()
+    reps = [router_replica(f"r{i}", f"node-{i // 2}", queue_delay_s=0.01 * (i % 3)) for i in range(6)]
+    plain = ClusterSnapshot(reps, (PoolHit("s0", "node-1", "dram", 40),))
+    with_cols = ClusterSnapshot(reps, plain.pool_hits, ReplicaColumns.of(reps))
+    a = PolicyRunner(build("cost_based"), rng=random.Random(3), clock=clock)
+    b = PolicyRunner(build("cost_based"), rng=random.Random(3), clock=clock)
+    for i in range(12):
+        ra = a.decide(router_request(4096, request_id=f"q{i}"), plain)
+        rb = b.decide(router_request(4096, request_id=f"q{i}"), with_cols)
+        assert (ra.replica_id, ra.action, ra.predicted_ttft_s) == (rb.replica_id, rb.action, rb.predicted_ttft_s)
+        view = b._with_inflight(with_cols, clock.t)
+        assert view.columns == ReplicaColumns.of(view.replicas) and with_cols.columns == ReplicaColumns.of(reps)
+    assert sum(a.inflight(f"r{i}") for i in range(6)) == 12  # every decision still in flight: the views had load
 
 
 @pytest.mark.parametrize("seed", range(25))

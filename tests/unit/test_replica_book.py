@@ -8,6 +8,7 @@ import pytest
 
 from router import cost
 from router.calibration import MFU_GRID_STEP, Calibrator, snap_mfu
+from router.policies.base import ReplicaColumns
 from router.replica_book import ReplicaBook
 from tests.fakes.router import router_hw
 
@@ -110,3 +111,36 @@ def test_the_queue_is_the_prefill_of_the_reported_waiting_work_priced_with_the_r
     assert slow.queue_delay_s == pytest.approx(0.02 + expected * hw.mfu / slow.hw.mfu, rel=1e-3)
     b.report("r0", "node-0", 3, 0, 1.0, None, waiting_work=(0, 0))
     assert b.states(1.0)[0].queue_delay_s == pytest.approx(0.02, rel=1e-3)  # nothing waiting: the overhead only
+
+
+def test_the_columns_follow_the_list_through_reports_patches_expiry_and_forgetting() -> None:
+    """``view``'s columns are the list's replicas as columns after every kind of change: a new replica (the list
+    rebuilt), a few changed ones (patched in place, the same column objects), a calibration moving one replica's
+    hardware, a replica falling silent, one forgotten."""
+    b = book()
+    for i in range(8):
+        b.report(f"r{i}", f"node-{i % 3}", i, i % 2, 0.0, None)
+
+    def check(now: float) -> ReplicaColumns:
+        states, cols = b.view(now)
+        assert states is b.states(now)
+        assert cols == ReplicaColumns.of(states)
+        return cols
+
+    first = check(0.1)
+    b.report("r3", "node-2", 5, 3, 0.2, None)  # one of eight: patched in place
+    b.observe_ttft("r3", 0.4)
+    assert check(0.3) is first
+    fit(b.calibrator, "r5", router_hw(), mfu=0.25, overhead=0.01)
+    b.touch("r5")
+    cols = check(0.4)
+    assert cols is first and cols.hws[5] is b.states(0.4)[5].hw and cols.queues[5] > 0
+    b.report("r8", "node-0", 0, 0, 0.5, None)  # a new replica: rebuilt
+    assert check(0.6) is not first
+    for i in range(9):
+        if i != 2:
+            b.report(f"r{i}", f"node-{i % 3}", 0, 0, TTL + 1.0, None)
+    assert [s.replica_id for s in b.states(TTL + 1.5)] == [f"r{i}" for i in range(9) if i != 2]  # r2 fell silent
+    check(TTL + 1.5)
+    b.forget("r7")
+    check(TTL + 1.6)
