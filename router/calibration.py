@@ -30,6 +30,12 @@ from router.policies.pricing import TierMap
 TIER_CLASSES = ("dram_local", "dram_remote", "ssd_local", "ssd_remote")
 
 
+#: ``OnlineLine`` fits its intercept only when its x values' weighted coefficient of variation reaches this. Below
+#: it the intercept is noise: five same-size prefills (x within 2%) whose seconds vary by ±5% put 0.1 s of a 0.2 s
+#: prefill into it (``tests/unit/test_calibration.py``).
+MIN_SPREAD = 0.25
+
+
 class OnlineLine:
     """Exponentially weighted least squares for ``y ≈ a + b·x`` with robust outlier rejection."""
 
@@ -41,6 +47,7 @@ class OnlineLine:
         "fallback_intercept",
         "max_rejects",
         "min_obs",
+        "min_spread",
         "n",
         "outlier_k",
         "rejected",
@@ -52,12 +59,13 @@ class OnlineLine:
     )
 
     def __init__(self, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0, max_rejects: int = 3,
-                 fallback_intercept: float = 0.0):
-        if halflife <= 0 or min_obs < 2 or outlier_k <= 0 or max_rejects < 1:
+                 fallback_intercept: float = 0.0, min_spread: float = MIN_SPREAD):
+        if halflife <= 0 or min_obs < 2 or outlier_k <= 0 or max_rejects < 1 or min_spread < 0:
             raise ValueError(
-                f"need halflife > 0, min_obs >= 2, outlier_k > 0, max_rejects >= 1; got {halflife}, {min_obs}, "
-                f"{outlier_k}, {max_rejects}"
+                f"need halflife > 0, min_obs >= 2, outlier_k > 0, max_rejects >= 1, min_spread >= 0; got {halflife}, "
+                f"{min_obs}, {outlier_k}, {max_rejects}, {min_spread}"
             )
+        self.min_spread = min_spread
         if fallback_intercept < 0 or not math.isfinite(fallback_intercept):
             raise ValueError(f"fallback_intercept must be finite and >= 0, got {fallback_intercept}")
         self.fallback_intercept = fallback_intercept
@@ -102,13 +110,14 @@ class OnlineLine:
         return True
 
     def fit(self) -> tuple[float, float] | None:
-        """``(a, b)``. With (nearly) constant x, or when the free fit is not a line with a >= 0 and b > 0, the
-        intercept is held at ``fallback_intercept`` (the configured value: x alone cannot tell it from the slope) and only
-        the slope is fitted; through the origin if even that leaves no positive slope. ``None`` if no data."""
+        """``(a, b)``. When the x values spread too little to tell the intercept from the slope (their weighted
+        coefficient of variation below ``min_spread``), or when the free fit is not a line with a >= 0 and b > 0, the
+        intercept is held at ``fallback_intercept`` (the configured value) and only the slope is fitted; through the
+        origin if even that leaves no positive slope. ``None`` if no data."""
         if self.w <= 0 or self.sx == 0:
             return None
-        den = self.w * self.sxx - self.sx * self.sx
-        if den > 1e-9 * self.w * self.sxx:
+        den = self.w * self.sxx - self.sx * self.sx  # w² · variance of x
+        if den > 1e-9 * self.w * self.sxx and den >= self.min_spread * self.min_spread * self.sx * self.sx:
             b = (self.w * self.sxy - self.sx * self.sy) / den
             a = (self.sy - b * self.sx) / self.w
             if a >= 0 and b > 0:
@@ -140,27 +149,49 @@ def snap_mfu(mfu: float) -> float:
 
 
 class MfuEstimator:
-    """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus)."""
+    """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus).
+
+    The replica's start-up probe (``probe=True``: cold prefills of five lengths, timed while the other engines may
+    be starting too) seeds the fit, so a replica is priced with what its engine measured before it served anything.
+    Once ``min_obs`` prefills of real requests came, they alone are fitted. In a live run (issue 13,
+    ``bench/reports/live_overflow_vs_round_robin``) one replica was priced with a fixed cost of ~0.16 s on every
+    request for the whole run, while its real prefills (0.03-0.29 s) alone fit a line through 0-0.004 s: the
+    probe's samples, timed under start-up load, are the likely source."""
 
     def __init__(self, hw: Hardware, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0,
                  min_mfu: float = 1e-3) -> None:
         self.base = hw
         self.min_mfu = min_mfu
-        self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k)
+        self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k)  # probe and real prefills
+        self.served = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k)  # real prefills only
         self._hw = hw
 
-    def observe(self, tokens: int, cached_tokens: int, seconds: float) -> bool:
-        """One finished prefill of ``tokens`` prompt tokens of which ``cached_tokens`` were reused."""
+    def observe(self, tokens: int, cached_tokens: int, seconds: float, *, probe: bool = False) -> bool:
+        """One finished prefill of ``tokens`` prompt tokens of which ``cached_tokens`` were reused (``probe``: one
+        of the start-up probe's)."""
         if seconds <= 0:
             raise ValueError(f"prefill seconds must be positive, got {seconds}")
         flops = prefill_flops(self.base.model, tokens, cached_tokens)
         if flops <= 0:
             return False
-        return self.line.observe(flops, seconds)
+        accepted = self.line.observe(flops, seconds)
+        if not probe:
+            self.served.observe(flops, seconds)
+        return accepted
+
+    @property
+    def ready(self) -> bool:
+        return self.line.ready
+
+    def fit(self) -> tuple[float, float] | None:
+        """The fitted (overhead s, s per FLOP): of the real prefills once there are enough, else of every sample."""
+        if self.served.ready:
+            return self.served.fit()
+        return self.line.fit() if self.line.ready else None
 
     @property
     def mfu(self) -> float:
-        fit = self.line.fit() if self.line.ready else None
+        fit = self.fit()
         if fit is None:
             return self.base.mfu
         peak = self.base.gpu.bf16_tflops * TERA * self.base.gpus
@@ -168,7 +199,7 @@ class MfuEstimator:
 
     @property
     def overhead_s(self) -> float:
-        fit = self.line.fit() if self.line.ready else None
+        fit = self.fit()
         return 0.0 if fit is None else fit[0]
 
     def hardware(self) -> Hardware:
@@ -176,7 +207,7 @@ class MfuEstimator:
         the same object while the snapped values do not move. A replica measured faster than its profile's peak
         (the profile is a placeholder, e.g. ``cpu-2core``, or wrong) gets the profile's peak raised to what it
         sustains, at MFU 1: capping the MFU at 1 would keep every prediction for it too slow."""
-        fit = self.line.fit() if self.line.ready else None
+        fit = self.fit()
         if fit is None:
             return self.base
         gpu = self.base.gpu
@@ -274,11 +305,14 @@ class Calibrator:
         self._path_n: dict[str, int] = {}  # replica id -> samples in it
         self._path_first: dict[str, list[float]] = {}  # replica id -> its first samples (fewer than PATH_MIN_OBS)
 
-    def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float) -> bool:
+    def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float, *,
+                        probe: bool = False) -> bool:
+        """One prefill of ``replica_id`` (``probe``: of its start-up probe, which only seeds the fit; see
+        ``MfuEstimator``)."""
         est = self._mfu.get(replica_id)
         if est is None or est.base.model != hw.model or est.base.gpu != hw.gpu or est.base.gpus != hw.gpus:
             est = self._mfu[replica_id] = MfuEstimator(hw, **self._opts)  # type: ignore[arg-type]
-        return est.observe(tokens, cached_tokens, seconds)
+        return est.observe(tokens, cached_tokens, seconds, probe=probe)
 
     def observe_transfer(self, tier_class: str, base: TierMap, nbytes: float, seconds: float) -> bool:
         """A finished fetch from ``tier_class`` (one of ``TIER_CLASSES``, the ``TierMap`` field that priced it)."""
@@ -294,10 +328,10 @@ class Calibrator:
     def fitted(self, replica_id: str) -> bool:
         """Whether the replica has its own fit (else it is priced with its fleet's, see ``hardware``)."""
         est = self._mfu.get(replica_id)
-        return est is not None and est.line.ready
+        return est is not None and est.ready
 
     def _fleet(self, hw: Hardware) -> list[MfuEstimator]:
-        return [e for e in self._mfu.values() if e.line.ready and e.base is hw]
+        return [e for e in self._mfu.values() if e.ready and e.base is hw]
 
     def hardware(self, replica_id: str, hw: Hardware) -> Hardware:
         """``hw`` with the replica's fitted MFU on the grid. Until the replica has its own fit it is priced like its
@@ -306,7 +340,7 @@ class Calibrator:
         it was never chosen and never fitted (issue 13: 42 of 42 requests on one replica). Replicas of one base
         hardware whose MFUs snap to the same grid point get the same object."""
         est = self._mfu.get(replica_id)
-        if est is None or not est.line.ready:
+        if est is None or not est.ready:
             fleet = self._fleet(hw)
             if not fleet:
                 return hw
@@ -342,10 +376,10 @@ class Calibrator:
         """The replica's fixed per-request seconds: the prefill line's intercept plus the request path's
         (``observe_path``). A replica without a fit or ``PATH_MIN_OBS`` path samples of its own gets its fleet's."""
         est = self._mfu.get(replica_id)
-        if est is not None and est.line.ready:
+        if est is not None and est.ready:
             line = max(0.0, est.overhead_s)
         else:  # not fitted yet: its fleet's (every fitted replica's) mean, as ``hardware`` does
-            fits = [max(0.0, e.overhead_s) for e in self._mfu.values() if e.line.ready]
+            fits = [max(0.0, e.overhead_s) for e in self._mfu.values() if e.ready]
             line = sum(fits) / len(fits) if fits else 0.0
         if self._path_n.get(replica_id, 0) >= PATH_MIN_OBS:
             path = self._path[replica_id]

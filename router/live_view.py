@@ -208,7 +208,8 @@ class LiveView:
                 self.book.touch_all()
         for sample in profile.prefills:
             if sample.tokens > 0 and sample.seconds > 0:
-                self.calibrator.observe_prefill(replica_id, self.hardware, sample.tokens, 0, sample.seconds)
+                self.calibrator.observe_prefill(replica_id, self.hardware, sample.tokens, 0, sample.seconds,
+                                                probe=True)
         self.book.touch(replica_id)
 
     def _observe_transfers(self, report: ReplicaReport) -> None:

@@ -44,6 +44,46 @@ def test_online_line_with_constant_x_goes_through_the_origin() -> None:
         line.observe(float("nan"), 1.0)
 
 
+def test_online_line_does_not_fit_an_intercept_from_same_size_observations() -> None:
+    """Five same-size observations (x within 2%) with noisy y cannot tell a fixed cost from the slope: the intercept
+    stays at the fallback and the slope carries the mean, as with constant x; sizes that spread fit it freely."""
+    ys = [0.20, 0.19, 0.21, 0.19, 0.205]  # same-size prefills (seconds) with the noise of a busy 2-core box
+    free, narrow = OnlineLine(min_obs=5, min_spread=0.0), OnlineLine(min_obs=5)
+    for i, y in enumerate(ys):
+        free.observe(100.0 + i, y)  # x within 2% of 102
+        narrow.observe(100.0 + i, y)
+    assert free.fit()[0] > 0.09  # type: ignore[index]  # half of every y taken for a fixed cost: noise
+    a, b = narrow.fit()  # type: ignore[misc]
+    assert a == 0.0 and b * 102.0 == pytest.approx(sum(ys) / len(ys), rel=0.02)
+    spread = OnlineLine(min_obs=5)
+    for x in (20.0, 50.0, 100.0, 150.0, 200.0):
+        spread.observe(x, 0.03 + 0.001 * x)
+    assert spread.fit() == pytest.approx((0.03, 0.001))
+    with pytest.raises(ValueError):
+        OnlineLine(min_spread=-0.1)
+
+
+def test_the_probe_seeds_the_mfu_fit_and_the_replicas_own_prefills_take_over() -> None:
+    """A start-up probe timed under load (a large fixed cost) prices the replica until it served ``min_obs``
+    requests; then its own prefills alone are fitted, so the probe's fixed cost does not stay in every prediction."""
+    hw = router_hw(mfu=0.5)
+    cal = Calibrator(bw_util=0.8, min_obs=5)
+
+    def seconds(tokens: int, cached: int, mfu: float, fixed: float) -> float:
+        return fixed + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu, cached_tokens=cached)
+
+    for tokens in (204, 512, 921, 1433, 2048):
+        cal.observe_prefill("r0", hw, tokens, 0, seconds(tokens, 0, 0.2, 0.15), probe=True)
+    assert cal.fitted("r0") and cal.overhead_s("r0") == pytest.approx(0.15, rel=0.01)
+    live = [(2400, 1900), (2000, 0), (2500, 2300), (2100, 0), (2450, 1800), (1950, 0)]
+    for i, (tokens, cached) in enumerate(live):
+        cal.observe_prefill("r0", hw, tokens, cached, seconds(tokens, cached, 0.3, 0.003))
+        if i < 4:  # fewer than min_obs of its own: the probe still weighs in
+            assert cal.overhead_s("r0") > 0.05
+    assert cal.overhead_s("r0") == pytest.approx(0.003, abs=1e-3)
+    assert cal.hardware("r0", hw).mfu == pytest.approx(0.3, rel=0.03)
+
+
 def test_mfu_fit_recovers_the_true_mfu() -> None:
     configured = router_hw(mfu=0.5)
     true_mfu, overhead = 0.31, 0.004
