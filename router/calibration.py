@@ -154,9 +154,10 @@ class MfuEstimator:
     The replica's start-up probe (``probe=True``: cold prefills of five lengths, timed while the other engines may
     be starting too) seeds the fit, so a replica is priced with what its engine measured before it served anything.
     Once ``min_obs`` prefills of real requests came, they alone are fitted. In a live run (issue 13,
-    ``bench/reports/live_overflow_vs_round_robin``) one replica was priced with a fixed cost of ~0.16 s on every
-    request for the whole run, while its real prefills (0.03-0.29 s) alone fit a line through 0-0.004 s: the
-    probe's samples, timed under start-up load, are the likely source."""
+    ``bench/reports/live_overflow_vs_round_robin``) one replica's fixed cost (this line's intercept plus the request
+    path) was priced at 0.12-0.19 s on half of its decisions, while its real prefills (0.03-0.29 s) alone fit a line
+    through 0-0.004 s. The probe's samples, timed under start-up load, were one source; the request path's cold
+    start (``Calibrator.observe_path``) was the other."""
 
     def __init__(self, hw: Hardware, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0,
                  min_mfu: float = 1e-3) -> None:
