@@ -407,19 +407,20 @@ class CostBased(RoutingPolicy):
         # their node (its fast class: each such replica costs its queue plus the class's precomputed best), one per
         # node with a pool hit.
         cols = cluster.columns if cluster.columns is not None else ReplicaColumns.of(rs)
-        qs, hws, nodes, hids, hbs = cols.queues, cols.hws, cols.nodes, cols.hw_ids, cols.hbm
+        qs, nodes, hids, hbs = cols.queues, cols.nodes, cols.hw_ids, cols.hbm
         if self._rng is not None and n > 1:
             s = int(self._rng.random() * n)
             if s:
                 rs = rs[s:] + rs[:s]
-                qs, hws, nodes, hids = qs[s:] + qs[:s], hws[s:] + hws[:s], nodes[s:] + nodes[:s], hids[s:] + hids[:s]
+                qs, nodes, hids = qs[s:] + qs[:s], nodes[s:] + nodes[:s], hids[s:] + hids[:s]
                 hbs = hbs[s:] + hbs[:s] if max_blocks > 0 else hbs
         split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
 
         groups: dict[int, _Group] = {}
-        for h in dict.fromkeys(hids):
-            groups[h] = _Group(pricer.coeffs(hws[hids.index(h)]), prompt, bs, hits, split, self.split_staging)
+        for h in dict.fromkeys(hids):  # the hardware objects in rotated order; each one read from the columns
+            groups[h] = _Group(pricer.coeffs(cols.hws[cols.hw_ids.index(h)]), prompt, bs, hits, split,
+                               self.split_staging)
         if len(groups) == 1:
             g0 = groups[hids[0]]
             fc = g0.fast.cost
