@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Mapping
 
 from configs.schema import TierSpec
@@ -157,7 +156,7 @@ class MfuEstimator:
     ``bench/reports/live_overflow_vs_round_robin``) one replica's fixed cost (this line's intercept plus the request
     path) was priced at 0.12-0.19 s on half of its decisions, while its real prefills (0.03-0.29 s) alone fit a line
     through 0-0.004 s. The probe's samples, timed under start-up load, were one source; the request path's cold
-    start (``Calibrator.observe_path``) was the other."""
+    start (``Calibrator.observe_path``, now started from its least first sample) was the other."""
 
     def __init__(self, hw: Hardware, *, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0,
                  min_mfu: float = 1e-3) -> None:
@@ -275,12 +274,19 @@ class TierEstimator:
         return self._tier
 
 
-#: Weight of a new sample in the request path's fixed-seconds EWMA (``Calibrator.observe_path``).
+#: Weights of a new sample in the request path's fixed-seconds EWMA (``Calibrator.observe_path``): a sample below
+#: the estimate pulls it down by ``PATH_EWMA_DOWN``, one above it up by ``PATH_EWMA``. The path's seconds are a fixed
+#: cost plus waits that only add (a busy event loop, a GC pause, a cold first request), so the estimate leans to the
+#: low side of the samples: with samples spread evenly around their median it settles below the median.
 PATH_EWMA = 0.2
+PATH_EWMA_DOWN = 0.5
 #: A replica's own path EWMA prices it only after this many samples; before, its fleet's does. A fresh engine's first
 #: requests (warm-up, cold caches) carry seconds of one-off cost: priced on those alone, a replica that served only
 #: them looked slow for good, was never chosen again and never re-measured (issue 13: 40 of 42 requests on one
-#: replica of two). A sample past ``PATH_OUTLIER_X`` times the estimate is clipped to it.
+#: replica of two). The EWMA starts from the least of these first samples, not their median: when the first requests
+#: a replica serves are the warm-up and the first real ones on a cold ingress, all of them are cold, and their median
+#: priced it 0.19 s for its next decisions while its warm path took 0.03 s (issue 13: 35 of 42 requests on the other
+#: replica). A sample past ``PATH_OUTLIER_X`` times the estimate is clipped to it.
 PATH_MIN_OBS = 5
 PATH_OUTLIER_X = 4.0
 
@@ -304,7 +310,6 @@ class Calibrator:
         self._shared: dict[tuple[int, float, float], tuple[Hardware, Hardware]] = {}
         self._path: dict[str, float] = {}  # replica id -> EWMA of the request path's fixed seconds
         self._path_n: dict[str, int] = {}  # replica id -> samples in it
-        self._path_first: dict[str, list[float]] = {}  # replica id -> its first samples (fewer than PATH_MIN_OBS)
 
     def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float, *,
                         probe: bool = False) -> bool:
@@ -362,16 +367,13 @@ class Calibrator:
             return
         n = self._path_n.get(replica_id, 0)
         self._path_n[replica_id] = n + 1
-        if n < PATH_MIN_OBS:  # the first samples: their median starts the EWMA (a cold first request weighs 1/5)
-            first = self._path_first.setdefault(replica_id, [])
-            first.append(seconds)
-            self._path[replica_id] = statistics.median(first)
-            if n + 1 == PATH_MIN_OBS:
-                del self._path_first[replica_id]
+        prev = self._path.get(replica_id)
+        if prev is None or n < PATH_MIN_OBS:  # the first samples: their least starts the EWMA
+            self._path[replica_id] = seconds if prev is None else min(prev, seconds)
             return
-        prev = self._path[replica_id]
         seconds = min(seconds, PATH_OUTLIER_X * prev)
-        self._path[replica_id] = (1 - PATH_EWMA) * prev + PATH_EWMA * seconds
+        weight = PATH_EWMA_DOWN if seconds < prev else PATH_EWMA
+        self._path[replica_id] = (1 - weight) * prev + weight * seconds
 
     def overhead_s(self, replica_id: str) -> float:
         """The replica's fixed per-request seconds: the prefill line's intercept plus the request path's
@@ -405,4 +407,3 @@ class Calibrator:
         self._mfu.pop(replica_id, None)
         self._path.pop(replica_id, None)
         self._path_n.pop(replica_id, None)
-        self._path_first.pop(replica_id, None)

@@ -193,7 +193,7 @@ def test_a_replica_without_its_own_fit_is_priced_like_its_fleet() -> None:
 def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> None:
     """A fresh engine's first requests carry one-off seconds outside its queue. A replica that served only those
     (then was never chosen) keeps its fleet's path cost until it has ``PATH_MIN_OBS`` samples of its own, and then the
-    median of its first samples starts its EWMA, so one cold request does not price it for good (issue 13: 40 of 42
+    least of its first samples starts its EWMA, so cold requests do not price it for good (issue 13: 40 of 42
     requests went to one replica of two)."""
     from router.calibration import PATH_MIN_OBS
 
@@ -205,6 +205,46 @@ def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> N
     assert cal.overhead_s("idle") == pytest.approx(cal.overhead_s("busy"))
     for _ in range(PATH_MIN_OBS - 2):
         cal.observe_path("idle", 0.03)
-    assert cal.overhead_s("idle") == pytest.approx(0.03)  # the median of 1.5, 0.9, 0.03, 0.03, 0.03
+    assert cal.overhead_s("idle") == pytest.approx(0.03)  # the least of 1.5, 0.9, 0.03, 0.03, 0.03
     cal.observe_path("idle", 30.0)  # a stall once settled: clipped to 4x the estimate before it counts
     assert cal.overhead_s("idle") == pytest.approx(0.8 * 0.03 + 0.2 * 0.12)
+
+
+def test_a_path_whose_first_samples_were_all_cold_comes_down_within_a_few_requests() -> None:
+    """The live run's case (issue 13, ``bench/reports/live_overflow_vs_round_robin/after_calibration``): a replica's
+    first five requests (the harness's warm-up ones and the first real ones on a cold ingress) were all cold, so
+    their median priced its path at ~0.19 s while its warm requests took ~0.03 s; the EWMA then came down by a fifth
+    of the gap per request (0.19 -> 0.16 -> 0.13 ...) while the router, pricing it high, sent it almost nothing.
+    Now the least cold sample starts it and a faster sample halves the gap: within 3 warm requests it is within
+    0.02 s of the warm path, where the old rule was still 0.08 s above it."""
+    from router.calibration import PATH_MIN_OBS
+
+    cal = Calibrator(bw_util=0.8)
+    cold = [0.21, 0.19, 0.2, 0.18, 0.19]
+    assert len(cold) == PATH_MIN_OBS
+    for s in cold:
+        cal.observe_path("r", s)
+    assert cal.overhead_s("r") == pytest.approx(0.18)
+    for _ in range(3):
+        cal.observe_path("r", 0.03)
+    assert cal.overhead_s("r") == pytest.approx(0.03 + 0.15 / 8)
+    old = 0.19  # the old rule: median of the cold samples, then weight 0.2 either way
+    for _ in range(3):
+        old = 0.8 * old + 0.2 * 0.03
+    assert old - 0.03 > 0.08
+
+
+def test_the_path_estimate_leans_low_and_still_follows_a_real_shift() -> None:
+    """Samples evenly spread around 0.05 s settle below it (waits only add to a fixed cost), and a lasting rise of
+    the path (a replica moved behind a slower hop) is followed at the upward weight."""
+    import random
+
+    rng = random.Random(7)
+    cal = Calibrator(bw_util=0.8)
+    for _ in range(300):
+        cal.observe_path("r", 0.05 + rng.uniform(-0.01, 0.01))
+    settled = cal.overhead_s("r")
+    assert 0.04 < settled < 0.05
+    for _ in range(40):
+        cal.observe_path("r", 0.15 + rng.uniform(-0.01, 0.01))
+    assert 0.13 < cal.overhead_s("r") < 0.15
