@@ -174,6 +174,8 @@ class MfuEstimator:
         flops = prefill_flops(self.base.model, tokens, cached_tokens)
         if flops <= 0:
             return False
+        if self.served.ready:  # the real prefills price the replica now: the seeded line is not read again
+            return False if probe else self.served.observe(flops, seconds)
         accepted = self.line.observe(flops, seconds)
         if not probe:
             self.served.observe(flops, seconds)
@@ -181,7 +183,7 @@ class MfuEstimator:
 
     @property
     def ready(self) -> bool:
-        return self.line.ready
+        return self.line.ready or self.served.ready
 
     def fit(self) -> tuple[float, float] | None:
         """The fitted (overhead s, s per FLOP): of the real prefills once there are enough, else of every sample."""

@@ -12,7 +12,7 @@ For replica r (queue q_r, HBM prefix h_r blocks) and a request of P tokens (bloc
                  With ``split_staging`` (default; what the replicas run: vLLM loads only leading prefixes) the tail
                  is pulled to the replica's node shard while the head computes, then loaded on top of the cached
                  head: + fetch_local((p_x − k)·bs), and k moves to where that sum is least
-                 (``HwCoeffs.split_staged``; a hit on the replica's own node has no pull: head, then load).
+                 (``HwCoeffs.split_tail``; a hit on the replica's own node has no pull: head, then load).
 
 Only the part of a pool prefix beyond the replica's own HBM prefix is fetched. Per replica only the useful hits are
 priced: the hits on its own node and, per storage tier, the cheapest hit on another node (all remote hits of one
@@ -82,6 +82,7 @@ from router.policies.pricing import (
     SSD_REMOTE,
     HwCoeffs,
     Pricer,
+    SplitTail,
     TierMap,
     beyond_hbm,
     clamp_blocks,
@@ -96,7 +97,6 @@ HELD_BACK = "held back: does not beat the best holder by the uncertainty margin"
 _HOLDER, _FETCH, _RECOMPUTE, _SPLIT = 0, 1, 2, 3  # action codes: index into _ACTIONS (and rank's per-action bests)
 _ACTIONS = (Action.HOLDER, Action.FETCH, Action.RECOMPUTE, Action.SPLIT)
 _INF = float("inf")
-_REMOTE = (DRAM_REMOTE, SSD_REMOTE)
 _first = itemgetter(0)
 
 
@@ -120,8 +120,8 @@ class FetchOption(NamedTuple):
     suffix_prefill: float  # prefill(P, p_x·bs): what is left to compute once the prefix is in place
     node_id: str  # the shard's node
     plan: ActionPlan  # FETCH of the whole prefix (a replica without an HBM prefix; made once per hit and request)
-    shard_queue_s: float  # q_x, the hit's shard queue
-    split_floor: float  # what a SPLIT from it costs at least: the tail's fixed parts (latency + state) + suffix_prefill
+    split_tail: SplitTail  # how a SPLIT's tail from it arrives (``HwCoeffs.split_tail``, the shard queue in it)
+    split_floor: float  # what a SPLIT from it costs at least: split_tail.floor + suffix_prefill
 
 
 _RECOMPUTE_PLAN = ActionPlan(_RECOMPUTE, -1, 0, 0, 0)
@@ -147,7 +147,7 @@ class _Group:
     """Per request and hardware: the constants every replica of that hardware shares."""
 
     __slots__ = ("_opts", "_splits", "bs", "classes", "co", "fast", "hits", "local", "prompt", "recompute", "remote",
-                 "split", "staged")
+                 "split")
 
     def __init__(
         self, co: HwCoeffs, prompt: float, bs: int, hits: Sequence[tuple[PoolHit, int]], split: float,
@@ -158,7 +158,6 @@ class _Group:
         self.bs = bs
         self.hits = hits
         self.split = split
-        self.staged = staged
         self._opts: dict[tuple[int, str], list[Priced]] = {}
         self._splits: dict[tuple[int, int, int], tuple[int, float]] = {}  # (k, cost); k = -1: none
         self.recompute = co.prefill(prompt, 0.0)
@@ -177,33 +176,21 @@ class _Group:
             plan = _new(ActionPlan, (_FETCH, hi, 0, p, c))
             node = hit.node_id
             extra = hit.queue_delay_s
+            tail = co.split_tail(rc, extra, staged)
             remote[0 if dram else 1].append(_new(FetchOption, (
-                base + (lat[rc] + moved * spb[rc]), hi, p, rc, pre, node, plan, extra,
-                self._split_floor(rc, extra) + pre)))
+                base + (lat[rc] + moved * spb[rc]), hi, p, rc, pre, node, plan, tail, tail.floor + pre)))
             on_node = local.get(node)
             if on_node is None:
                 on_node = local[node] = []
+            tail = co.split_tail(lc, extra, staged)
             on_node.append(_new(FetchOption, (
-                base + (lat[lc] + moved * spb[lc]), hi, p, lc, pre, node, plan, extra,
-                self._split_floor(lc, extra) + pre)))
+                base + (lat[lc] + moved * spb[lc]), hi, p, lc, pre, node, plan, tail, tail.floor + pre)))
         remote[0].sort()
         remote[1].sort()
         self.remote = remote
         self.local = local
         self.fast = _Class(self.options(0, ""))  # no HBM prefix, no hit on the node: every hit is remote
         self.classes: dict[str, _Class] = {}
-
-    def _split_floor(self, cls: int, extra: float) -> float:
-        """A SPLIT of a hit of tier class ``cls`` (shard queue ``extra``) costs at least its tail's fixed parts:
-        latency and state of the pull (from another node, when staged) and of the load, before the suffix prefill.
-        ``options`` skips one that cannot beat its limit even so, unsolved (same floats: every step rounds
-        monotonically)."""
-        lat, spb, state = self.co.lat, self.co.spb, self.co.state
-        if not self.staged:
-            return (lat[cls] + extra) + state * spb[cls]
-        if cls in _REMOTE:  # pulled to the replica's node shard, then loaded from it
-            return lat[DRAM_LOCAL] + state * spb[DRAM_LOCAL] + extra + (lat[cls] + state * spb[cls])
-        return lat[cls] + state * spb[cls] + extra  # on the replica's node: loaded from it, nothing to pull
 
     def node_class(self, node: str) -> _Class:
         c = self.classes.get(node)
@@ -250,29 +237,15 @@ class _Group:
             best = t if t < best else best
         if self.split and opts:
             limit = self.split * best
-            lat, state, lin, quad = co.lat, co.state, co.lin, co.quad
             splits = self._splits
-            staged = self.staged
             hbf = float(hbt)
             for e in opts:
-                if e.split_floor > limit:
+                if e.split_floor > limit:  # cannot beat the limit even so: left unsolved (floor <= cost in floats)
                     continue
-                cls = e.tier_class
-                key = (e.hit, cls, hbt)
+                key = (e.hit, e.tier_class, hbt)
                 s = splits.get(key)
                 if s is None:
-                    # The solver's arguments are ``HwCoeffs.split_staged`` / ``split``'s (the reference's).
-                    cf = float(e.prefix_blocks * bs)
-                    extra = e.shard_queue_s
-                    if not staged:
-                        s = co.solve_overlap(lin, quad, kvb, state, lat[cls] + extra, spb[cls], hbf, cf, bs)
-                    elif cls in _REMOTE:
-                        s = co.solve_staged(lin, quad, kvb, state, lat[cls] + extra, spb[cls], lat[DRAM_LOCAL],
-                                            spb[DRAM_LOCAL], True, hbf, cf, bs)
-                    else:
-                        s = co.solve_staged(lin, quad, kvb, state, 0.0, 0.0, lat[cls] + extra, spb[cls], False, hbf,
-                                            cf, bs)
-                    splits[key] = s
+                    s = splits[key] = co.solve_split(e.split_tail, hbf, float(e.prefix_blocks * bs), bs)
                 if s[0] >= 0 and s[1] + e.suffix_prefill <= limit:
                     k = s[0]
                     plan = _new(ActionPlan, (_SPLIT, e.hit, k, e.prefix_blocks, hbt + (e.prefix_blocks - k) * bs))
@@ -618,26 +591,26 @@ def _formula(
     hbm_tokens = float(d.reused - (end - start) * bs)
     head_end = float(start * bs)
     head = co.prefill(head_end, hbm_tokens)
+    tail = co.split_tail(cls_index, hit.queue_delay_s, staged)  # the terms the solver priced it with
+    tail_bytes = (c - head_end) * co.kvb + co.state
+    arrive = tail.l_lat + tail_bytes * tail.l_spb  # staged: the load from the node's shard; else the fetch
     if staged:
-        pull = hit.queue_delay_s + co.fetch(cls_index, c - head_end) if not same else 0.0
-        load_cls = cls_index if same else DRAM_LOCAL
-        load = co.fetch(load_cls, c - head_end) + (hit.queue_delay_s if same else 0.0)
-        leg = (f"pull blocks [{start},{end}) from {where} to the node's shard {pull:.4f}" if not same
+        pull = tail.p_lat + tail_bytes * tail.p_spb if tail.pull else 0.0
+        leg = (f"pull blocks [{start},{end}) from {where} to the node's shard {pull:.4f}" if tail.pull
                else f"nothing to pull ({where}) 0")
         return (
             (
                 f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
-                f"{head:.4f}, {leg}) + load blocks [{start},{end}) from the node's shard {load:.4f} + "
+                f"{head:.4f}, {leg}) + load blocks [{start},{end}) from the node's shard {arrive:.4f} + "
                 f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
             ),
-            {"queue_s": q, "head_s": head, "fetch_s": pull, "load_s": load, "prefill_s": pre, "ttft_s": total},
+            {"queue_s": q, "head_s": head, "fetch_s": pull, "load_s": arrive, "prefill_s": pre, "ttft_s": total},
         )
-    tail = hit.queue_delay_s + co.fetch(cls_index, c - head_end)
     return (
         (
             f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
-            f"{head:.4f}, shard queue + fetch blocks [{start},{end}) from {where} {tail:.4f}) + "
+            f"{head:.4f}, shard queue + fetch blocks [{start},{end}) from {where} {arrive:.4f}) + "
             f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
         ),
-        {"queue_s": q, "head_s": head, "fetch_s": tail, "prefill_s": pre, "ttft_s": total},
+        {"queue_s": q, "head_s": head, "fetch_s": arrive, "prefill_s": pre, "ttft_s": total},
     )

@@ -18,8 +18,8 @@ against its ``router.cost`` counterpart):
     FETCH          = queue + shard_queue + fetch(pool − hbm) + prefill(P, pool)   (only the part beyond HBM moves)
     RECOMPUTE      = queue + prefill(P, 0)
     SPLIT          = queue + max(prefill(h, hbm), shard_queue + fetch(pool − h)) + prefill(P, pool)
-                     (the ideal overlap, ``split``; as the replicas run it, ``split_staged``, the tail is pulled to
-                     the replica's node while the head computes and then loaded: + fetch_local(pool − h))
+                     (the ideal overlap; as the replicas run it, staged, the tail is pulled to the replica's node
+                     while the head computes and then loaded: + fetch_local(pool − h); ``HwCoeffs.split``)
 
 SPLIT's meeting point ``h`` (head compute == tail fetch) is the positive root of a quadratic (the closed form of
 ``cost.split_point``'s bisection, generalised to a replica that already holds ``hbm`` tokens), then rounded to a
@@ -34,7 +34,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from configs.schema import TierSpec
 from kvpool import keys
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # Tier classes: index into HwCoeffs.lat / HwCoeffs.spb.
 DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE = 0, 1, 2, 3
+REMOTE_CLASSES = (DRAM_REMOTE, SSD_REMOTE)  # a shard on another node than the replica's
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,34 +134,62 @@ class HwCoeffs:
             return 0.0
         return self.lat[cls_index] + (tokens * self.kvb + self.state) * self.spb[cls_index]
 
-    def split(
-        self, cls_index: int, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float
-    ) -> tuple[int, float] | None:
-        """Best block boundary ``k`` (in blocks) to compute [hbm, k·bs) while fetching [k·bs, prefix) and the
-        overlap time max(head, tail); ``None`` when no interior boundary beats both FETCH and computing it all
-        (``solve_overlap``)."""
-        k, overlap = self.solve_overlap(self.lin, self.quad, self.kvb, self.state,
-                                        self.lat[cls_index] + extra_latency_s, self.spb[cls_index],
-                                        float(hbm_tokens), float(prefix_tokens), block_size)
-        return (k, overlap) if k >= 0 else None
+    def split_tail(self, cls_index: int, extra_latency_s: float, staged: bool = True) -> SplitTail:
+        """How the tail of a SPLIT from a hit of tier class ``cls_index`` (shard queue ``extra_latency_s``) arrives:
+        the one place that turns a hit into the solvers' tier arguments (``split``, ``router.policies.cost_based``).
 
-    def split_staged(
-        self, pull_cls: int, load_cls: int, hbm_tokens: float, prefix_tokens: float, block_size: int,
-        extra_latency_s: float,
+        Staged (``staged``; as the replicas run it, ``deployments.split_staging``): the replica computes the head
+        [hbm, k·bs) as a request of its own while its node's shard pulls the tail [k·bs, prefix) from the hit's shard
+        (a hit of another node: class ``cls_index`` with the shard queue; a hit on the replica's node has nothing to
+        pull), then the request loads the tail from the node's shard (``DRAM_LOCAL`` after a pull, else the hit's
+        own class with the shard queue) on top of the cached head. Not staged: the ideal overlap of computing the
+        head while fetching the tail from the hit (class ``cls_index`` with the shard queue)."""
+        lat, spb, state = self.lat, self.spb, self.state
+        if not staged:
+            l_lat, l_spb = lat[cls_index] + extra_latency_s, spb[cls_index]
+            return SplitTail(False, False, 0.0, 0.0, l_lat, l_spb, l_lat + state * l_spb)
+        if cls_index in REMOTE_CLASSES:  # pulled to the replica's node shard, then loaded from it
+            p_lat, p_spb = lat[cls_index] + extra_latency_s, spb[cls_index]
+            l_lat, l_spb = lat[DRAM_LOCAL], spb[DRAM_LOCAL]
+            # the solver's total at least (its additions in its order; each rounds monotonically): max(head, pull)
+            # + load, with the pull and the load of the state bytes alone
+            return SplitTail(True, True, p_lat, p_spb, l_lat, l_spb, p_lat + state * p_spb + l_lat + state * l_spb)
+        l_lat, l_spb = lat[cls_index] + extra_latency_s, spb[cls_index]
+        return SplitTail(True, False, 0.0, 0.0, l_lat, l_spb, l_lat + state * l_spb)
+
+    def solve_split(self, tail: SplitTail, hbm_tokens: float, prefix_tokens: float, block_size: int
+                    ) -> tuple[int, float]:
+        """The best block boundary and the SPLIT's cost without the suffix prefill (``solve_staged`` or
+        ``solve_overlap`` as ``tail`` says); (-1, 0.0) when no interior boundary exists."""
+        if tail.staged:
+            return self.solve_staged(self.lin, self.quad, self.kvb, self.state, tail.p_lat, tail.p_spb, tail.l_lat,
+                                     tail.l_spb, tail.pull, hbm_tokens, prefix_tokens, block_size)
+        return self.solve_overlap(self.lin, self.quad, self.kvb, self.state, tail.l_lat, tail.l_spb, hbm_tokens,
+                                  prefix_tokens, block_size)
+
+    def split(
+        self, cls_index: int, hbm_tokens: float, prefix_tokens: float, block_size: int, extra_latency_s: float, *,
+        staged: bool = True,
     ) -> tuple[int, float] | None:
-        """SPLIT as an engine that loads only leading prefixes can run it (``deployments.replica``): the replica
-        computes the head [hbm, k·bs) as a request of its own while the node's shard pulls the tail [k·bs, prefix)
-        from the hit's shard (class ``pull_cls``; -1: the hit is on the replica's node, nothing to pull), then the
-        request loads the tail from the node's shard (class ``load_cls``) on top of the cached head
-        (``solve_staged``). Returns (k, f) without the suffix prefill, or ``None`` when no interior boundary
-        (between FETCH at k = hbm/bs and no fetch at k = prefix/bs) exists."""
-        pull = pull_cls >= 0
-        k, total = self.solve_staged(
-            self.lin, self.quad, self.kvb, self.state,
-            self.lat[pull_cls] + extra_latency_s if pull else 0.0, self.spb[pull_cls] if pull else 0.0,
-            self.lat[load_cls] + (0.0 if pull else extra_latency_s), self.spb[load_cls], pull,
-            float(hbm_tokens), float(prefix_tokens), block_size)
+        """SPLIT of a hit of tier class ``cls_index`` for a replica holding ``hbm_tokens``: the best block boundary
+        ``k`` (in blocks; the head [hbm, k·bs) is computed, the tail [k·bs, prefix) arrives as ``split_tail`` says)
+        and its cost without the suffix prefill; ``None`` when no interior boundary (between FETCH at k = hbm/bs and
+        no fetch at k = prefix/bs) exists."""
+        k, total = self.solve_split(self.split_tail(cls_index, extra_latency_s, staged), float(hbm_tokens),
+                                    float(prefix_tokens), block_size)
         return (k, total) if k >= 0 else None
+
+
+class SplitTail(NamedTuple):
+    """The tier terms of a SPLIT's tail, as the solvers take them (``HwCoeffs.split_tail``)."""
+
+    staged: bool  # solve_staged (the head, then the load) or solve_overlap (the ideal overlap)
+    pull: bool  # staged: the tail is pulled to the replica's node shard first, overlapping the head
+    p_lat: float  # the pull's latency (the hit's shard queue in it); 0 without a pull
+    p_spb: float  # the pull's seconds per byte; 0 without a pull
+    l_lat: float  # the load's latency (overlap: the fetch's), the shard queue in it where it reads the hit's shard
+    l_spb: float  # the load's (overlap: the fetch's) seconds per byte
+    floor: float  # the least the tail adds to a SPLIT's cost: its fixed parts (latencies, the state's bytes)
 
 
 # ---- the SPLIT solvers: plain functions of floats, so numba can compile them as they are (``_split_solvers``) ------
@@ -176,7 +205,7 @@ def meeting_point(lin: float, quad: float, kvb: float, state: float, lat: float,
 
 def solve_overlap(lin: float, quad: float, kvb: float, state: float, lat: float, spb: float, h0: float, c: float,
                   block_size: int) -> tuple[int, float]:
-    """``HwCoeffs.split``: the ideal overlap of computing [h0, t) and fetching [t, c) (latency ``lat``, the hit's
+    """``HwCoeffs.split`` unstaged: the ideal overlap of computing [h0, t) and fetching [t, c) (latency ``lat``, the hit's
     shard queue included), at the block boundary next to the meeting point that overlaps best. Returns (k, overlap),
     k = -1 when neither boundary around the meeting point is interior (k0 < k < k_end)."""
     h = meeting_point(lin, quad, kvb, state, lat, spb, h0, c)
@@ -199,7 +228,7 @@ def solve_overlap(lin: float, quad: float, kvb: float, state: float, lat: float,
 
 def solve_staged(lin: float, quad: float, kvb: float, state: float, p_lat: float, p_spb: float, l_lat: float,
                  l_spb: float, pull: bool, h0: float, c: float, block_size: int) -> tuple[int, float]:
-    """``HwCoeffs.split_staged``: with the tail pulled at (p_lat, p_spb) when ``pull`` and then loaded at
+    """``HwCoeffs.split`` staged: with the tail pulled at (p_lat, p_spb) when ``pull`` and then loaded at
     (l_lat, l_spb),
 
         f(t) = max(H(t), T(t)) + R(t)      H = prefill(t, h0), T = pull of the tail, R = load of the tail
@@ -350,21 +379,16 @@ def split_candidate(
     pricer: Pricer, replica: ReplicaState, hit: PoolHit, request: RouteRequest, *, staged: bool = True
 ) -> Candidate | None:
     """SPLIT of ``hit``'s prefix on the replica: compute the head [hbm, k) while the tail [k, prefix) arrives, at the
-    best block boundary k (``HwCoeffs.split_staged`` as the replicas run it, pulled to the replica's node shard and
-    loaded; ``HwCoeffs.split`` for the ideal overlap); ``None`` when no interior boundary exists."""
+    best block boundary k (``HwCoeffs.split``: staged as the replicas run it, pulled to the replica's node shard
+    and loaded, or the ideal overlap); ``None`` when no interior boundary exists."""
     span = beyond_hbm(replica, hit, request)
     if span is None:
         return None
     hbm, end = span
     bs = request.block_size
     co = pricer.coeffs(replica.hw)
-    same = hit.node_id == replica.node_id
-    cls_index = tier_class(hit.tier, same)
-    if staged:
-        pull_cls, load_cls = (-1, cls_index) if same else (cls_index, DRAM_LOCAL)
-        s = co.split_staged(pull_cls, load_cls, hbm * bs, end * bs, bs, hit.queue_delay_s)
-    else:
-        s = co.split(cls_index, hbm * bs, end * bs, bs, hit.queue_delay_s)
+    s = co.split(tier_class(hit.tier, hit.node_id == replica.node_id), hbm * bs, end * bs, bs, hit.queue_delay_s,
+                 staged=staged)
     if s is None:
         return None
     k, overlap = s

@@ -82,6 +82,11 @@ def test_the_probe_seeds_the_mfu_fit_and_the_replicas_own_prefills_take_over() -
             assert cal.overhead_s("r0") > 0.05
     assert cal.overhead_s("r0") == pytest.approx(0.003, abs=1e-3)
     assert cal.hardware("r0", hw).mfu == pytest.approx(0.3, rel=0.03)
+    seeded = cal._mfu["r0"].line.n  # once its own prefills price it, the seeded line is left as it is
+    assert not cal.observe_prefill("r0", hw, 2000, 0, 5.0, probe=True)  # a late probe sample is not taken
+    assert cal.observe_prefill("r0", hw, 2200, 0, seconds(2200, 0, 0.3, 0.003))
+    assert cal._mfu["r0"].line.n == seeded
+    assert cal.overhead_s("r0") == pytest.approx(0.003, abs=1e-3)
 
 
 def test_mfu_fit_recovers_the_true_mfu() -> None:

@@ -366,7 +366,8 @@ def test_split_matches_cost_ttft_split(prefix: int, gbps: float) -> None:
     prompt = prefix * bs + 300
     ref, h_ref = cost.ttft_split(hw, prompt_tokens=prompt, cached_tokens=prefix * bs, tier=tier)
     suffix = co.prefill(prompt, prefix * bs)
-    got = co.split(DRAM_REMOTE, hbm_tokens=0, prefix_tokens=prefix * bs, block_size=bs, extra_latency_s=0.0)
+    got = co.split(DRAM_REMOTE, hbm_tokens=0, prefix_tokens=prefix * bs, block_size=bs, extra_latency_s=0.0,
+                   staged=False)
     if got is None:  # the meeting point rounds to "no fetch" or "no compute": the bisection agrees it is an edge
         assert h_ref < bs or h_ref > prefix * bs - bs
         return
@@ -593,13 +594,14 @@ def test_cost_based_equals_brute_force_pricing(seed: int) -> None:
 @pytest.mark.parametrize("remote", [True, False])
 def test_staged_split_is_the_best_block_boundary(prefix: int, gbps: float, local_gbps: float, hbm_blocks: int,
                                                  remote: bool) -> None:
-    """``split_staged``'s closed form picks the boundary a brute force over every interior block picks."""
+    """The staged SPLIT's closed form picks the boundary a brute force over every interior block picks, and its
+    floor (``SplitTail.floor``, what ``_Group.options`` skips a SPLIT on unsolved) is at most its cost."""
     hw = router_hw()
     slow = TierSpec(name="slow", bandwidth_gbps=gbps, latency_s=0.003)
     near = TierSpec(name="near", bandwidth_gbps=local_gbps, latency_s=0.001)
     co = HwCoeffs(hw, TierMap(near, slow, near, slow))
     bs, extra = 16, 0.002
-    pull_cls, load_cls = (DRAM_REMOTE, DRAM_LOCAL) if remote else (-1, DRAM_LOCAL)
+    cls, pull_cls, load_cls = (DRAM_REMOTE, DRAM_REMOTE, DRAM_LOCAL) if remote else (DRAM_LOCAL, -1, DRAM_LOCAL)
     h0, c = hbm_blocks * bs, prefix * bs
 
     def f(k: int) -> float:
@@ -611,7 +613,9 @@ def test_staged_split_is_the_best_block_boundary(prefix: int, gbps: float, local
         return max(head, pull) + load
 
     interior = range(hbm_blocks + 1, prefix)
-    got = co.split_staged(pull_cls, load_cls, h0, c, bs, extra)
+    got = co.split(cls, h0, c, bs, extra)
+    floor = co.split_tail(cls, extra).floor
+    assert all(floor <= f(j) * (1 + 1e-12) for j in interior)
     if not interior:
         assert got is None
         return

@@ -28,7 +28,8 @@ def jit_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, object]]:
 
 
 def _solver_args(rng: random.Random) -> tuple[tuple, tuple]:  # type: ignore[type-arg]
-    """Random overlap and staged arguments as ``_Group.options`` / ``HwCoeffs`` build them, edges included."""
+    """Random overlap and staged arguments as ``HwCoeffs.split_tail`` builds them for ``_Group.options`` and
+    ``HwCoeffs.split``, edges included."""
     co = HwCoeffs(rng.choice(HARDWARE), router_tier_map())
     bs = rng.choice([1, 16, 32])
     c = float(bs * rng.randint(0, 4000))
@@ -36,11 +37,11 @@ def _solver_args(rng: random.Random) -> tuple[tuple, tuple]:  # type: ignore[typ
     h0 = float(bs * (rng.randint(0, blocks) if rng.random() < 0.8 else max(0, blocks - rng.randint(0, 2))))
     extra = rng.choice([0.0, rng.uniform(0, 0.05)])
     quad = rng.choice([co.quad, 0.0])
-    cls = rng.randrange(4)
-    overlap = (co.lin, quad, co.kvb, co.state, co.lat[cls] + extra, co.spb[cls], h0, c, bs)
-    pull = rng.random() < 0.5
-    staged = (co.lin, quad, co.kvb, co.state, co.lat[cls] + extra if pull else 0.0, co.spb[cls] if pull else 0.0,
-              co.lat[0] + (0.0 if pull else extra), co.spb[0], pull, h0, c, bs)
+    cls = rng.randrange(4)  # a remote class is pulled then loaded, a local one only loaded
+    o = co.split_tail(cls, extra, staged=False)
+    overlap = (co.lin, quad, co.kvb, co.state, o.l_lat, o.l_spb, h0, c, bs)
+    t = co.split_tail(cls, extra)
+    staged = (co.lin, quad, co.kvb, co.state, t.p_lat, t.p_spb, t.l_lat, t.l_spb, t.pull, h0, c, bs)
     return overlap, staged
 
 
