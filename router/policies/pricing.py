@@ -205,9 +205,9 @@ def meeting_point(lin: float, quad: float, kvb: float, state: float, lat: float,
 
 def solve_overlap(lin: float, quad: float, kvb: float, state: float, lat: float, spb: float, h0: float, c: float,
                   block_size: int) -> tuple[int, float]:
-    """``HwCoeffs.split`` unstaged: the ideal overlap of computing [h0, t) and fetching [t, c) (latency ``lat``, the hit's
-    shard queue included), at the block boundary next to the meeting point that overlaps best. Returns (k, overlap),
-    k = -1 when neither boundary around the meeting point is interior (k0 < k < k_end)."""
+    """``HwCoeffs.split`` unstaged: the ideal overlap of computing [h0, t) and fetching [t, c) (latency ``lat``, the
+    hit's shard queue included), at the block boundary next to the meeting point that overlaps best. Returns
+    (k, overlap), k = -1 when neither boundary around the meeting point is interior (k0 < k < k_end)."""
     h = meeting_point(lin, quad, kvb, state, lat, spb, h0, c)
     k0 = int(h0) // block_size
     k_end = int(c) // block_size
