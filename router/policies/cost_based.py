@@ -166,6 +166,7 @@ class _Group:
         # ``HwCoeffs.prefill`` / ``fetch`` written out (the same operations; c > 0): a decision prices every hit.
         lin, quad, kvb, state, lat, spb = co.lin, co.quad, co.kvb, co.state, co.lat, co.spb
         pp = prompt * prompt
+        zero_queue = co.tails[staged]  # ``co.split_tail`` of a hit without a shard queue (most), looked up
         for hi, (hit, p) in enumerate(hits):
             c = p * bs
             pre = lin * (prompt - c) + quad * (pp - c * c)
@@ -176,13 +177,13 @@ class _Group:
             plan = _new(ActionPlan, (_FETCH, hi, 0, p, c))
             node = hit.node_id
             extra = hit.queue_delay_s
-            tail = co.split_tail(rc, extra, staged)
+            tail = zero_queue[rc] if extra == 0.0 else co.split_tail(rc, extra, staged)
             remote[0 if dram else 1].append(_new(FetchOption, (
                 base + (lat[rc] + moved * spb[rc]), hi, p, rc, pre, node, plan, tail, tail.floor + pre)))
             on_node = local.get(node)
             if on_node is None:
                 on_node = local[node] = []
-            tail = co.split_tail(lc, extra, staged)
+            tail = zero_queue[lc] if extra == 0.0 else co.split_tail(lc, extra, staged)
             on_node.append(_new(FetchOption, (
                 base + (lat[lc] + moved * spb[lc]), hi, p, lc, pre, node, plan, tail, tail.floor + pre)))
         remote[0].sort()

@@ -101,7 +101,7 @@ def tier_class(storage: StorageTier, same_node: bool) -> int:
 class HwCoeffs:
     """Per-hardware constants of the cost model (seconds per token, bytes per token, per tier class)."""
 
-    __slots__ = ("kvb", "lat", "lin", "quad", "solve_overlap", "solve_staged", "spb", "state", "tiers")
+    __slots__ = ("kvb", "lat", "lin", "quad", "solve_overlap", "solve_staged", "spb", "state", "tails", "tiers")
 
     def __init__(self, hw: Hardware, tier_map: TierMap | None) -> None:
         model = hw.model
@@ -124,6 +124,11 @@ class HwCoeffs:
             specs = (tier_map.dram_local, tier_map.dram_remote, tier_map.ssd_local, tier_map.ssd_remote)
             self.lat = tuple(t.latency_s for t in specs)
             self.spb = tuple(1.0 / (hw.bw_util * t.bandwidth_gbps * GB) for t in specs)
+        # ``split_tail`` without a shard queue (the common case), per (staged, tier class): made once per hardware
+        self.tails: tuple[tuple[SplitTail, ...], ...] = (
+            tuple(self._split_tail(c, 0.0, False) for c in range(len(self.lat))),
+            tuple(self._split_tail(c, 0.0, True) for c in range(len(self.lat))),
+        )
         self.solve_overlap, self.solve_staged = _split_solvers()
 
     def prefill(self, tokens: float, cached: float) -> float:
@@ -144,6 +149,11 @@ class HwCoeffs:
         pull), then the request loads the tail from the node's shard (``DRAM_LOCAL`` after a pull, else the hit's
         own class with the shard queue) on top of the cached head. Not staged: the ideal overlap of computing the
         head while fetching the tail from the hit (class ``cls_index`` with the shard queue)."""
+        if extra_latency_s == 0.0:
+            return self.tails[staged][cls_index]
+        return self._split_tail(cls_index, extra_latency_s, staged)
+
+    def _split_tail(self, cls_index: int, extra_latency_s: float, staged: bool) -> SplitTail:
         lat, spb, state = self.lat, self.spb, self.state
         if not staged:
             l_lat, l_spb = lat[cls_index] + extra_latency_s, spb[cls_index]

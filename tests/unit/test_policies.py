@@ -27,7 +27,7 @@ from router.policies.base import (
     RoutingPolicy,
 )
 from router.policies.cost_based import HELD_BACK, hold_back
-from router.policies.pricing import DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, HwCoeffs, Pricer, TierMap
+from router.policies.pricing import DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE, HwCoeffs, Pricer, TierMap
 from router.policies.runner import (
     POLICIES,
     PolicyError,
@@ -624,6 +624,24 @@ def test_staged_split_is_the_best_block_boundary(prefix: int, gbps: float, local
     assert k in interior
     assert total == pytest.approx(f(k), rel=1e-12)
     assert total <= min(f(j) for j in interior) * (1 + 1e-9)
+
+
+def test_split_tails_without_a_shard_queue_are_the_ones_computed() -> None:
+    """``HwCoeffs`` keeps the shard-queue-free tails it hands out (most hits) made once per hardware: each equals the
+    one computed for the call, and a shard queue goes into the pull (from another node) or else the load."""
+    tiers = router_tier_map()
+    co = HwCoeffs(router_hw(), tiers)
+    for staged in (False, True):
+        for cls in (DRAM_LOCAL, DRAM_REMOTE, SSD_LOCAL, SSD_REMOTE):
+            kept = co.split_tail(cls, 0.0, staged)
+            assert kept is co.split_tail(cls, 0.0, staged)
+            assert kept == co._split_tail(cls, 0.0, staged)
+            queued = co.split_tail(cls, 0.01, staged)
+            assert queued.floor > kept.floor
+            if staged and cls in (DRAM_REMOTE, SSD_REMOTE):
+                assert queued.pull and queued.p_lat == pytest.approx(kept.p_lat + 0.01) and queued.l_lat == kept.l_lat
+            else:
+                assert not queued.pull and queued.l_lat == pytest.approx(kept.l_lat + 0.01)
 
 
 def test_staged_split_pays_for_loading_the_tail_again() -> None:
