@@ -2,8 +2,8 @@
 
 The router's SPLIT plan says: blocks [0, start) of the prompt are computed, blocks [start, end) come from pool
 shard ``plan.shard_id``. vLLM's connector API can only add externally loaded tokens right after the tokens the
-engine already has, so the replica runs it in two steps (``router.policies.pricing.HwCoeffs.split_tail``, staged, prices
-exactly this):
+engine already has, so the replica runs it in two steps (``router.policies.pricing.HwCoeffs.split_tail``, staged,
+prices exactly this):
 1. at once and concurrently: the head [0, start·bs) as a request of its own (one output token, flagged so the
    connector loads nothing: ``kvpool.connector.scheduler.NO_LOAD_PARAM``; vLLM's prefix cache keeps its blocks),
    and — when the plan's shard is on another node — this node's shard ``pull``s the tail blocks from it
