@@ -43,8 +43,9 @@ class OnlineLine:
     noisiest samples set the line: in a live run where the same-size first turns took 0.17–1.0 s (2 engines, 2
     shards, Ray and the load generator on 2 cores; interference only ever slows a prefill), the line passed well
     above the short prefills (HOLDERs of ~165 new tokens predicted 0.054 s, taking 0.03 s). Replayed over the
-    prefills of 16 live runs (4 workloads), the median relative error of the prefill prediction went 0.16 → 0.12, on
-    the sequential workload 0.46–0.79 → 0.20–0.36 (``bench/reports/live_agent_sequential``)."""
+    prefills of 16 live runs of the overflow and the sequential workloads (``bench.calibration_replay``), the median
+    relative error of the prefill prediction went 0.16 → 0.12, on the sequential one 0.46–0.79 → 0.20–0.36
+    (``bench/reports/live_agent_sequential``)."""
 
     __slots__ = (
         "_rejects_in_row",
