@@ -9,9 +9,10 @@ price with. Pure: no clocks, no I/O; the fits depend only on the observation seq
 The fits are the cost model's own lines (``router.cost``):
     prefill seconds  ≈ overhead + FLOPs(tokens, cached) / (MFU · peak · gpus)   → slope gives MFU
     transfer seconds ≈ latency  + bytes / (BW_util · BW_tier)                   → slope gives BW, intercept latency
-fitted by exponentially weighted least squares (``OnlineLine``, half-life in observations) with outlier rejection
-(a residual beyond ``outlier_k`` × the EW mean absolute residual is dropped, unless several in a row are: then the
-hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values stand;
+fitted by exponentially weighted least squares (``OnlineLine``, half-life in observations; the prefill line for
+relative error, each sample weighing 1/seconds², since a prediction is judged by its relative error) with outlier
+rejection (a residual beyond ``outlier_k`` × the EW mean absolute residual is dropped, unless several in a row are:
+then the hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values stand;
 when the observations cannot separate the intercept from the slope (similar sizes), the configured latency stands
 and only the bandwidth is fitted.
 """
