@@ -12,9 +12,9 @@ The fits are the cost model's own lines (``router.cost``):
 fitted by exponentially weighted least squares (``OnlineLine``, half-life in observations; the prefill line for
 relative error, each sample weighing 1/seconds², since a prediction is judged by its relative error) with outlier
 rejection (a residual beyond ``outlier_k`` × the EW mean absolute residual is dropped, unless several in a row are:
-then the hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values stand;
-when the observations cannot separate the intercept from the slope (similar sizes), the configured latency stands
-and only the bandwidth is fitted.
+then the hardware really changed and the fit follows). Until ``min_obs`` observations arrive, the configured values
+stand; when the observations cannot separate the intercept from the slope (similar sizes), the configured latency
+stands and only the bandwidth is fitted.
 """
 
 from __future__ import annotations
