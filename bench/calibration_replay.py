@@ -1,10 +1,10 @@
 """Replay a live run's prefills through the MFU line, to compare ways of fitting it on what the engines really did.
 
 Input: ``decisions.json`` files (a run's ``/kvstack/decisions`` records, as ``bench.live_compare`` keeps them in its
-work directory, one per run). Per file and replica, in decision order, each request's engine prefill (vLLM's
-scheduled → first token, from the record's timeline) against its FLOPs (``router.cost.prefill_flops`` of the prompt
-and the tokens the engine reused) is predicted from the line fitted on the replica's earlier prefills, then fed to
-it. Output, per file and fit (``OnlineLine`` plain least squares, and ``relative``: each sample weighs 1/y²): the
+work directory, one per run). Per file and replica, in decision order, each request's engine prefill (the
+``prefill`` stage of the record's ``router.decision.RequestTimeline``: vLLM's scheduled → first token) against its
+FLOPs (``router.cost.prefill_flops`` of the prompt and the tokens the engine reused) is predicted from the line
+fitted on the replica's earlier prefills, then fed to it. Output, per file and fit (``OnlineLine`` plain least squares, and ``relative``: each sample weighs 1/y²): the
 median |predicted − actual| / actual per action after the run's first ``--warmup`` decisions, and over all actions.
 
 Offline and pure apart from reading the files; what the router's ``Calibrator`` does live, minus the start-up probe
@@ -22,11 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bench.decision_audit import DEFAULT_WARMUP
 from configs.loader import load_models
 from configs.schema import ModelSpec
 from router.calibration import OnlineLine
 from router.cost import prefill_flops
+from router.decision import RequestTimeline
 
 FITS: dict[str, Callable[[], OnlineLine]] = {
     "plain": lambda: OnlineLine(),
@@ -41,11 +44,10 @@ def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callabl
     lines: dict[str, OnlineLine] = {}
     errors: dict[str, list[float]] = {}
     for i, r in enumerate(sorted(records, key=lambda r: r["decided_at"])):
-        t = (r.get("timeline") or {}).get("replica")
-        if not t or r.get("actual_ttft_s") is None:
+        if not r.get("timeline") or r.get("actual_ttft_s") is None:
             continue
-        seconds = t["first_token_s"] - t["scheduled_s"]
-        if seconds <= 0:
+        seconds = msgspec.convert(r["timeline"], RequestTimeline).stages().get("prefill", 0.0)
+        if seconds <= 0:  # vLLM did not report the step (or a zero-length one): nothing to fit
             continue
         prompt = int(r["prompt_tokens"])
         x = prefill_flops(model, prompt, min(int(r.get("actual_cached_tokens") or 0), prompt))

@@ -20,10 +20,15 @@ def _records() -> list[dict]:  # type: ignore[type-arg]
                 [(first[s], 1960, 0, "recompute"), (revisit[s], 2085, 1920, "holder")]):
             out.append({"decided_at": 10.0 * s + turn, "replica_id": "r0", "action": action, "prompt_tokens": prompt,
                         "actual_cached_tokens": cached, "actual_ttft_s": seconds + 0.02,
-                        "timeline": {"replica": {"queued_s": 0.001, "scheduled_s": 0.002,
-                                                 "first_token_s": 0.002 + seconds}}})
+                        "timeline": {"ingress_s": 0.008, "replica": {
+                            "plan_s": 0.0, "queued_s": 0.001, "scheduled_s": 0.002, "first_token_s": 0.002 + seconds,
+                            "first_chunk_s": 0.003 + seconds}}})
     out.append({"decided_at": 99.0, "replica_id": "r0", "action": "holder", "prompt_tokens": 10,
                 "actual_ttft_s": None, "timeline": None})  # unfinished: skipped
+    out.append({"decided_at": 98.0, "replica_id": "r0", "action": "holder", "prompt_tokens": 2085,
+                "actual_cached_tokens": 1920, "actual_ttft_s": 0.05,
+                "timeline": {"ingress_s": 0.008, "replica": {"plan_s": 0.0, "queued_s": 0.001, "first_token_s": 0.04,
+                                                             "first_chunk_s": 0.041}}})  # not scheduled (-1): skipped
     return out
 
 
