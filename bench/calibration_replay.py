@@ -4,8 +4,9 @@ Input: ``decisions.json`` files (a run's ``/kvstack/decisions`` records, as ``be
 work directory, one per run). Per file and replica, in decision order, each request's engine prefill (the
 ``prefill`` stage of the record's ``router.decision.RequestTimeline``: vLLM's scheduled → first token) against its
 FLOPs (``router.cost.prefill_flops`` of the prompt and the tokens the engine reused) is predicted from the line
-fitted on the replica's earlier prefills, then fed to it. Output, per file and fit (``OnlineLine`` plain least squares, and ``relative``: each sample weighs 1/y²): the
-median |predicted − actual| / actual per action after the run's first ``--warmup`` decisions, and over all actions.
+fitted on the replica's earlier prefills, then fed to it. Output, per file and fit (``OnlineLine`` plain least
+squares, and ``relative``: each sample weighs 1/y²): the median |predicted − actual| / actual per action after the
+run's first ``--warmup`` decisions, and over all actions.
 
 Offline and pure apart from reading the files; what the router's ``Calibrator`` does live, minus the start-up probe
 (its samples are not in the records). Run: ``python -m bench.calibration_replay --model tiny-qwen3-heavy
