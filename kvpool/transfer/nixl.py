@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 NIXL_PAYLOAD_VERSION = 1
 _DRAM = "DRAM"
 _LOCAL = "NIXL_INIT_AGENT"
+_DRAIN_S = 0.02  # how long ``close`` progresses the worker after closing its peers' endpoints
 
 
 class NixlOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -313,6 +314,7 @@ class NixlEndpoint(TransferEndpoint):
             for peer in list(self._peers.values()):
                 self._drop_peer(peer)
             self._peers.clear()
+            self._drain()
             self._release_prepped(self._local_prepped)
             for handle in self._orphans:
                 try:
@@ -332,6 +334,22 @@ class NixlEndpoint(TransferEndpoint):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"endpoint {self._name!r} is closed")
+
+    def _drain(self) -> None:
+        """Progress the UCX worker for ``_DRAIN_S`` before the agent is destroyed. ``remove_remote_agent`` closes a
+        peer's UCX endpoint without waiting for the close to finish, and only progress finishes it; a client endpoint
+        has no progress thread. Destroying a worker whose endpoint closes are still in flight can crash in UCX's
+        teardown (mercury-hpc/mercury#855 progresses its workers for the same reason): once, in CI, destroying the
+        agent right after its peer was killed aborted the process."""
+        drain = Deadline(_DRAIN_S)
+        while True:
+            try:
+                self._agent.get_new_notifs()  # NIXL's Python entry to the backend's progress loop
+            except self._errors:
+                return
+            if drain.expired():
+                return
+            time.sleep(0.001)
 
     def _drop_peer(self, peer: _Peer) -> None:
         self._release_prepped(peer.prepped)
@@ -372,6 +390,7 @@ class NixlEndpoint(TransferEndpoint):
 
     def _run(self, op: str, peer: _Peer, table: OpTable, deadline: Deadline) -> TransferResult:
         n = len(table)
+        handle = None
         try:
             with self._lock:
                 if self._peers.get(peer.meta.agent_name) is not peer:
@@ -379,7 +398,11 @@ class NixlEndpoint(TransferEndpoint):
                 handle = self._make_request(op, peer, table)
                 state = self._agent.transfer(handle)
         except self._errors as exc:
-            return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: NIXL {type(exc).__name__}: {exc}")
+            # A post that fails part way (the peer disconnected after the request was made) may have started some of
+            # its UCX operations: the request is cancelled and released like a late one, never left to the GC.
+            settled = True if handle is None else self._abandon(handle)
+            return all_failed(n, deadline.elapsed(), f"peer {peer.meta.agent_name!r}: NIXL {type(exc).__name__}: {exc}",
+                              settled=settled)
         sleep = 0.0
         while state == "PROC":
             if deadline.expired():
