@@ -164,8 +164,9 @@ class MfuEstimator:
     """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus).
 
     The replica's start-up probe (``probe=True``: cold prefills of five lengths, timed while the other engines may
-    be starting too) seeds the fit, so a replica is priced with what its engine measured before it served anything.
-    Once ``min_obs`` prefills of real requests came, they alone are fitted. In a live run (issue 13,
+    be starting too) seeds the fit, so a replica is priced with what its engine measured before it served anything
+    (unless a replica of the same hardware is proven already: ``Calibrator._priced_by``). Once ``min_obs`` prefills
+    of real requests came, they alone are fitted (``proven``). In a live run (issue 13,
     ``bench/reports/live_overflow_vs_round_robin``) one replica's fixed cost (this line's intercept plus the request
     path) was priced at 0.12-0.19 s on half of its decisions, while its real prefills (0.03-0.29 s) alone fit a line
     through 0-0.004 s. The probe's samples, timed under start-up load, were one source; the request path's cold
@@ -198,6 +199,11 @@ class MfuEstimator:
     @property
     def ready(self) -> bool:
         return self.line.ready or self.served.ready
+
+    @property
+    def proven(self) -> bool:
+        """Whether ``min_obs`` real prefills price the replica (its probe no longer does)."""
+        return self.served.ready
 
     def fit(self) -> tuple[float, float] | None:
         """The fitted (overhead s, s per FLOP): of the real prefills once there are enough, else of every sample."""
@@ -240,6 +246,11 @@ class MfuEstimator:
                     "description": f"{gpu.description} (peak raised to the {tflops:.3g} TFLOPS measured)".strip()})
             self._hw = dataclasses.replace(self.base, gpu=gpu, mfu=mfu)
         return self._hw
+
+
+def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
+    """The median estimator of ``fleet`` by fitted speed (peak × MFU)."""
+    return sorted(fleet, key=lambda e: e.hardware().gpu.bf16_tflops * e.hardware().mfu)[len(fleet) // 2]
 
 
 class TierEstimator:
@@ -348,25 +359,42 @@ class Calibrator:
         return est.observe(nbytes, seconds)
 
     def fitted(self, replica_id: str) -> bool:
-        """Whether the replica has its own fit (else it is priced with its fleet's, see ``hardware``)."""
+        """Whether the replica is priced by its own real prefills (else by its fleet's or its probe, see
+        ``_priced_by``)."""
         est = self._mfu.get(replica_id)
-        return est is not None and est.ready
+        return est is not None and est.proven
 
-    def _fleet(self, hw: Hardware) -> list[MfuEstimator]:
-        return [e for e in self._mfu.values() if e.ready and e.base is hw]
+    def _priced_by(self, replica_id: str, base: Hardware | None) -> MfuEstimator | None:
+        """The estimator whose fit prices the replica (None: the configured prior):
+        1. its own, once ``min_obs`` real prefills are fitted (``MfuEstimator.proven``);
+        2. before that, the median proven replica of its fleet (the same base hardware; ``base`` None: the replica's
+           own base, else every replica), when one is proven;
+        3. else its own probe-seeded line, else the median of its fleet's.
+        So a replica is not priced worse than its fleet on fewer than ``min_obs`` requests of its own: priced by the
+        configured prior, then by its probe (timed under start-up load) or its first cold requests while a sibling
+        was proven, it looked slower, so it was never chosen and never proven (issue 13: 42 of 42 requests on one
+        replica; later, in the live sequential runs, 25-27 of 30, the other replica priced on one 0.93 s first
+        request)."""
+        est = self._mfu.get(replica_id)
+        if est is not None and est.proven:
+            return est
+        if base is None and est is not None:
+            base = est.base
+        fleet = [e for e in self._mfu.values() if base is None or e.base is base]
+        proven = [e for e in fleet if e.proven]
+        if proven:
+            return _median_speed(proven)
+        if est is not None and est.ready:
+            return est
+        ready = [e for e in fleet if e.ready]
+        return _median_speed(ready) if ready else None
 
     def hardware(self, replica_id: str, hw: Hardware) -> Hardware:
-        """``hw`` with the replica's fitted MFU on the grid. Until the replica has its own fit it is priced like its
-        fleet (the median fitted replica of the same base hardware; ``hw`` itself when none is fitted): pricing it
-        with the configured prior instead made a replica that had not served yet look slower than a fitted one, so
-        it was never chosen and never fitted (issue 13: 42 of 42 requests on one replica). Replicas of one base
-        hardware whose MFUs snap to the same grid point get the same object."""
-        est = self._mfu.get(replica_id)
-        if est is None or not est.ready:
-            fleet = self._fleet(hw)
-            if not fleet:
-                return hw
-            est = sorted(fleet, key=lambda e: e.hardware().gpu.bf16_tflops * e.hardware().mfu)[len(fleet) // 2]
+        """``hw`` with the MFU of the fit that prices the replica (``_priced_by``) on the grid; ``hw`` itself while
+        nothing is fitted. Replicas of one base hardware whose MFUs snap to the same grid point get the same object."""
+        est = self._priced_by(replica_id, hw)
+        if est is None:
+            return hw
         own = est.hardware()
         key = (id(est.base), own.mfu, own.gpu.bf16_tflops)
         shared = self._shared.get(key)
@@ -392,14 +420,10 @@ class Calibrator:
         self._path[replica_id] = (1 - weight) * prev + weight * seconds
 
     def overhead_s(self, replica_id: str) -> float:
-        """The replica's fixed per-request seconds: the prefill line's intercept plus the request path's
-        (``observe_path``). A replica without a fit or ``PATH_MIN_OBS`` path samples of its own gets its fleet's."""
-        est = self._mfu.get(replica_id)
-        if est is not None and est.ready:
-            line = max(0.0, est.overhead_s)
-        else:  # not fitted yet: its fleet's (every fitted replica's) mean, as ``hardware`` does
-            fits = [max(0.0, e.overhead_s) for e in self._mfu.values() if e.ready]
-            line = sum(fits) / len(fits) if fits else 0.0
+        """The replica's fixed per-request seconds: the intercept of the fit that prices it (``_priced_by``) plus the
+        request path's (``observe_path``; a replica with fewer than ``PATH_MIN_OBS`` path samples gets its fleet's)."""
+        est = self._priced_by(replica_id, None)  # the fit ``hardware`` prices it with
+        line = 0.0 if est is None else max(0.0, est.overhead_s)
         if self._path_n.get(replica_id, 0) >= PATH_MIN_OBS:
             path = self._path[replica_id]
         else:  # too few samples of its own: the fleet's (replicas with enough samples, else all observed)

@@ -75,13 +75,13 @@ def test_the_probe_seeds_the_mfu_fit_and_the_replicas_own_prefills_take_over() -
 
     for tokens in (204, 512, 921, 1433, 2048):
         cal.observe_prefill("r0", hw, tokens, 0, seconds(tokens, 0, 0.2, 0.15), probe=True)
-    assert cal.fitted("r0") and cal.overhead_s("r0") == pytest.approx(0.15, rel=0.01)
+    assert not cal.fitted("r0") and cal.overhead_s("r0") == pytest.approx(0.15, rel=0.01)  # priced by its probe
     live = [(2400, 1900), (2000, 0), (2500, 2300), (2100, 0), (2450, 1800), (1950, 0)]
     for i, (tokens, cached) in enumerate(live):
         cal.observe_prefill("r0", hw, tokens, cached, seconds(tokens, cached, 0.3, 0.003))
         if i < 4:  # fewer than min_obs of its own: the probe still weighs in
             assert cal.overhead_s("r0") > 0.05
-    assert cal.overhead_s("r0") == pytest.approx(0.003, abs=1e-3)
+    assert cal.fitted("r0") and cal.overhead_s("r0") == pytest.approx(0.003, abs=1e-3)
     assert cal.hardware("r0", hw).mfu == pytest.approx(0.3, rel=0.03)
     seeded = cal._mfu["r0"].line.n  # once its own prefills price it, the seeded line is left as it is
     assert not cal.observe_prefill("r0", hw, 2000, 0, 5.0, probe=True)  # a late probe sample is not taken
@@ -194,6 +194,34 @@ def test_a_replica_without_its_own_fit_is_priced_like_its_fleet() -> None:
     assert cal.fitted("old") and not cal.fitted("new")
     assert cal.hardware("new", hw) is cal.hardware("old", hw)
     assert cal.overhead_s("new") == pytest.approx(cal.overhead_s("old"))
+
+
+def test_an_unproven_replica_is_priced_like_its_proven_sibling_not_by_its_probe() -> None:
+    """The live sequential runs' case: both replicas probed under start-up load (0.07 s fixed cost); r0 served
+    ``min_obs`` requests and is proven fast; r1 served one cold, slow request. Priced by its probe and that request,
+    r1 looked ~3x slower than r0 and got no more requests. It is priced like r0 until it has ``min_obs`` real prefills,
+    then by its own, also when they show it really is slower."""
+    hw = router_hw(mfu=0.5)
+    cal = Calibrator(bw_util=0.8, min_obs=5)
+
+    def seconds(tokens: int, cached: int, mfu: float, fixed: float) -> float:
+        return fixed + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu, cached_tokens=cached)
+
+    for rid in ("r0", "r1"):
+        for tokens in (204, 512, 921, 1433, 2048):
+            cal.observe_prefill(rid, hw, tokens, 0, seconds(tokens, 0, 0.1, 0.07), probe=True)
+    assert cal.hardware("r1", hw) is cal.hardware("r0", hw)  # nobody proven: each by its probe, the same here
+    cal.observe_prefill("r1", hw, 1988, 0, seconds(1988, 0, 0.05, 0.3))  # its cold first request
+    for tokens in (1960, 1970, 1962, 1957, 1951):
+        cal.observe_prefill("r0", hw, tokens, 0, seconds(tokens, 0, 0.3, 0.003))
+    assert cal.fitted("r0") and not cal.fitted("r1")
+    assert cal.hardware("r1", hw) is cal.hardware("r0", hw)
+    assert cal.overhead_s("r1") == pytest.approx(cal.overhead_s("r0"))
+    for tokens in (1971, 1966, 1969, 1986):  # r1 is chosen now: 5 real prefills of its own, 2x slower than r0
+        assert not cal.fitted("r1")
+        cal.observe_prefill("r1", hw, tokens, 0, seconds(tokens, 0, 0.15, 0.003))
+    assert cal.fitted("r1")
+    assert cal.hardware("r1", hw).mfu < cal.hardware("r0", hw).mfu
 
 
 def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> None:
