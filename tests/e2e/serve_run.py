@@ -1,17 +1,19 @@
 """``kvstack serve`` as a subprocess for e2e modules: started as a user starts it, torn down with SIGKILL.
 
-``running_serve(tmp, sets, model=None, config=None, env=None)`` is a generator (a module fixture's body): it starts ``python -m
-cluster.cli serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets`` (an SSD directory under ``tmp`` and
-the tiny dense model — or ``--model MODEL``, or ``--config FILE`` as written — are set first, and the engine's
-``dtype`` is ``DTYPE`` unless a config file is given; ``env`` is added to its environment), waits until it prints
-that it is serving (at most ``ready_s``; a start that exits or times out fails the test with the tails of its logs),
-yields ``{"proc", "base", "state", "log"}`` and kills its process group after. ``get_status`` / ``wait_for_status``
-read such a server's ``/kvstack/status`` (polled with a deadline); ``hbm_blocks`` / ``pool_blocks`` read a status.
+``running_serve(tmp, sets, model=None, config=None, env=None)`` is a generator (a module fixture's body): it starts
+``python -m cluster.cli serve`` on a free port with ``--set KEY=VALUE`` for each of ``sets`` (an SSD tier of
+``SSD_BYTES`` under ``tmp``, removed at teardown, and the tiny dense model — or ``--model MODEL``, or ``--config
+FILE`` as written — are set first, and the engine's ``dtype`` is ``DTYPE`` unless a config file is given; ``env`` is
+added to its environment), waits until it prints that it is serving (at most ``ready_s``; a start that exits or times
+out fails the test with the tails of its logs), yields ``{"proc", "base", "state", "log"}`` and kills its process
+group after. ``get_status`` / ``wait_for_status`` read such a server's ``/kvstack/status`` (polled with a deadline);
+``hbm_blocks`` / ``pool_blocks`` read a status.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +32,19 @@ REPO = Path(__file__).resolve().parents[2]
 # engine runs ~3.6x slower (8 prefills of 1,500 tokens + 16 decode steps of the tiny model: 21.1 s vs 5.9 s), and
 # their outputs are judged against plain vLLM on the same settings either way (``test_serve_local``'s oracle).
 DTYPE = "float32"
+# The SSD tier of a test server: 64 MiB per shard, not the embedded config's 1 GiB. Slabs are preallocated
+# (``posix_fallocate``), and each server's slab directory is removed when it is torn down.
+SSD_BYTES = 64 << 20
+
+
+def ssd_sets(ssd_dir: Path) -> list[str]:
+    """The ``--set`` items that put a test server's SSD tier in ``ssd_dir`` at ``SSD_BYTES`` per shard."""
+    return ["--set", f"app.pool.ssd_dir={ssd_dir}", "--set", f"app.pool.ssd_bytes={SSD_BYTES}"]
+
+
+def remove_ssd_dir(ssd_dir: Path) -> None:
+    """Delete a torn-down test server's SSD slabs (best effort: a shard killed mid-write may leave nothing)."""
+    shutil.rmtree(ssd_dir, ignore_errors=True)
 
 
 def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Path | None = None,
@@ -38,7 +53,7 @@ def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Pat
     state = tmp / "serve.json"
     log_path = tmp / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--state-file", str(state),
-           "--set", f"app.pool.ssd_dir={tmp / 'ssd'}",
+           *ssd_sets(tmp / "ssd"),
            "--log-dir", str(tmp / "logs")]  # Ray's and vLLM's logs; serve.log holds kvstack's own lines
     # ``model``: `kvstack serve --model DIR` (a model of the user's); ``config``: `--config FILE` as written; else
     # the embedded config's tiny model
@@ -75,6 +90,7 @@ def running_serve(tmp: Path, sets: list[str], ready_s: float = 480.0, model: Pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        remove_ssd_dir(tmp / "ssd")
 
 
 def get_status(server) -> dict[str, Any]:

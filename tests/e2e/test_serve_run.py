@@ -18,6 +18,7 @@ import pytest
 
 from cluster.local_cluster import free_port
 from tests.e2e.cluster_process import running_cluster
+from tests.e2e.serve_run import remove_ssd_dir, ssd_sets
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,7 +39,7 @@ def served(cluster, tmp_path_factory: pytest.TempPathFactory):
     config = tmp / "kvstack-serve.yaml"
     subprocess.run([sys.executable, "-m", "cluster.cli", "serve-config", "--port", str(port),
                     "--set", f"app.engine.model={REPO / '.kvstack/models/tiny-qwen3'}",
-                    "--set", f"app.pool.ssd_dir={tmp / 'ssd'}", "--out", str(config)],
+                    *ssd_sets(tmp / "ssd"), "--out", str(config)],
                    cwd=REPO, check=True, timeout=300, capture_output=True)
     log = open(tmp / "serve-run.log", "w")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
@@ -70,6 +71,7 @@ def served(cluster, tmp_path_factory: pytest.TempPathFactory):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        remove_ssd_dir(tmp / "ssd")
 
 
 def status(served) -> dict[str, Any]:
