@@ -248,9 +248,24 @@ class MfuEstimator:
         return self._hw
 
 
+def _speed(est: MfuEstimator) -> float:
+    """The FLOP rate ``est``'s fit prices its replica at (peak × MFU)."""
+    hw = est.hardware()
+    return hw.gpu.bf16_tflops * hw.mfu
+
+
+def _slower(est: MfuEstimator, other: MfuEstimator) -> bool:
+    """Whether ``est``'s fit predicts its own prefills (at their weighted mean FLOPs) slower than ``other``'s fit."""
+    mine, theirs, line = est.fit(), other.fit(), est.served
+    if mine is None or theirs is None or line.w <= 0:
+        return False
+    x = line.sx / line.w
+    return mine[0] + mine[1] * x > theirs[0] + theirs[1] * x
+
+
 def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
     """The median estimator of ``fleet`` by fitted speed (peak × MFU)."""
-    return sorted(fleet, key=lambda e: e.hardware().gpu.bf16_tflops * e.hardware().mfu)[len(fleet) // 2]
+    return sorted(fleet, key=_speed)[len(fleet) // 2]
 
 
 class TierEstimator:
@@ -316,6 +331,9 @@ PATH_EWMA_DOWN = 0.5
 #: replica). A sample past ``PATH_OUTLIER_X`` times the estimate is clipped to it.
 PATH_MIN_OBS = 5
 PATH_OUTLIER_X = 4.0
+#: ``Calibrator.trust_obs`` defaults to this many times ``min_obs``: a replica's own MFU fit prices it on its own
+#: only after that many real prefills; before, not slower than its fleet's (``Calibrator._priced_by``).
+TRUST_OBS_X = 4
 
 
 class Calibrator:
@@ -328,8 +346,13 @@ class Calibrator:
     cold start of the first requests into the intercept (issue 13: 0.1 s of "overhead" on requests whose path took
     0.025 s, all predictions of a tiny model off by ~100%)."""
 
-    def __init__(self, *, bw_util: float, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0) -> None:
+    def __init__(self, *, bw_util: float, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0,
+                 trust_obs: int | None = None) -> None:
         self.bw_util = bw_util
+        #: real prefills after which a replica's own fit prices it even when its fleet's is faster (``_priced_by``)
+        self.trust_obs = TRUST_OBS_X * min_obs if trust_obs is None else trust_obs
+        if self.trust_obs < min_obs:
+            raise ValueError(f"trust_obs must be >= min_obs ({min_obs}), got {self.trust_obs}")
         self._opts = {"halflife": halflife, "min_obs": min_obs, "outlier_k": outlier_k}
         self._mfu: dict[str, MfuEstimator] = {}
         self._tiers: dict[str, TierEstimator] = {}
@@ -359,31 +382,41 @@ class Calibrator:
         return est.observe(nbytes, seconds)
 
     def fitted(self, replica_id: str) -> bool:
-        """Whether the replica is priced by its own real prefills (else by its fleet's or its probe, see
-        ``_priced_by``)."""
+        """Whether the replica has a fit of its own real prefills (``MfuEstimator.proven``; before, its fleet's or
+        its probe's prices it, see ``_priced_by``)."""
         est = self._mfu.get(replica_id)
         return est is not None and est.proven
 
+    def trusted(self, replica_id: str) -> bool:
+        """Whether the replica's own fit prices it whatever its fleet's do (``trust_obs`` real prefills; before, a
+        sibling's fit may price it, so it must be re-priced when those move)."""
+        est = self._mfu.get(replica_id)
+        return est is not None and est.served.n >= self.trust_obs
+
     def _priced_by(self, replica_id: str, base: Hardware | None) -> MfuEstimator | None:
         """The estimator whose fit prices the replica (None: the configured prior):
-        1. its own, once ``min_obs`` real prefills are fitted (``MfuEstimator.proven``);
-        2. before that, the median proven replica of its fleet (the same base hardware; ``base`` None: the replica's
-           own base, else every replica), when one is proven;
-        3. else its own probe-seeded line, else the median of its fleet's.
-        So a replica is not priced worse than its fleet on fewer than ``min_obs`` requests of its own: priced by the
+        1. its own, once ``trust_obs`` real prefills are fitted;
+        2. once ``min_obs`` are (``MfuEstimator.proven``), the faster of its own and its fleet's median proven
+           replica (the fleet: the same base hardware; ``base`` None: the replica's own base, else every replica);
+        3. before that, the fleet's median proven replica, when one is proven;
+        4. else its own probe-seeded line, else the median of its fleet's.
+        So a replica is not priced worse than its fleet on fewer than ``trust_obs`` requests of its own. Priced by the
         configured prior, then by its probe (timed under start-up load) or its first cold requests while a sibling
         was proven, it looked slower, so it was never chosen and never proven (issue 13: 42 of 42 requests on one
-        replica; later, in the live sequential runs, 25-27 of 30, the other replica priced on one 0.93 s first
-        request)."""
+        replica; in the live sequential runs, 25-27 of 30, the other replica priced on one 0.93 s first request).
+        Proven on ``min_obs`` noisy samples (two warm-ups, a 0.74 s cold first turn), it was still priced slower than
+        its sibling and got 4 of 30 (``bench/reports/live_agent_sequential``): only a replica that is chosen is
+        measured, so until ``trust_obs`` samples it gets the benefit of the doubt, and the sibling's price."""
         est = self._mfu.get(replica_id)
-        if est is not None and est.proven:
+        if est is not None and est.served.n >= self.trust_obs:
             return est
         if base is None and est is not None:
             base = est.base
         fleet = [e for e in self._mfu.values() if base is None or e.base is base]
         proven = [e for e in fleet if e.proven]
         if proven:
-            return _median_speed(proven)
+            median = _median_speed(proven)
+            return est if est is not None and est.proven and not _slower(est, median) else median
         if est is not None and est.ready:
             return est
         ready = [e for e in fleet if e.ready]

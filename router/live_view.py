@@ -342,8 +342,8 @@ class LiveView:
             self.calibrator.observe_prefill(replica_id, self.hardware, chunk.prompt_tokens,
                                             min(chunk.cached_tokens, chunk.prompt_tokens), prefill_s)
             self.book.observe_ttft(replica_id, ttft_s)  # also rebuilds its state with the new calibration
-            for rid in self.book.loads:  # replicas without a fit of their own are priced with the fleet's
-                if rid != replica_id and not self.calibrator.fitted(rid):
+            for rid in self.book.loads:  # replicas not yet trusted on their own fit may be priced with the fleet's
+                if rid != replica_id and not self.calibrator.trusted(rid):
                     self.book.touch(rid)
 
     def record_pool_timing(self, routed: Routed, timing: PoolRequestTiming) -> None:

@@ -220,8 +220,44 @@ def test_an_unproven_replica_is_priced_like_its_proven_sibling_not_by_its_probe(
     for tokens in (1971, 1966, 1969, 1986):  # r1 is chosen now: 5 real prefills of its own, 2x slower than r0
         assert not cal.fitted("r1")
         cal.observe_prefill("r1", hw, tokens, 0, seconds(tokens, 0, 0.15, 0.003))
-    assert cal.fitted("r1")
+    assert cal.fitted("r1") and not cal.trusted("r1")  # proven slower on 5: still r0's price (below)
+    assert cal.hardware("r1", hw) is cal.hardware("r0", hw)
+    for i in range(cal.trust_obs - 5):  # chosen like r0, so measured: its own fit prices it from trust_obs on
+        assert not cal.trusted("r1")
+        cal.observe_prefill("r1", hw, 1960 + i, 0, seconds(1960 + i, 0, 0.15, 0.003))
+    assert cal.trusted("r1")
     assert cal.hardware("r1", hw).mfu < cal.hardware("r0", hw).mfu
+
+
+def test_a_replica_proven_slow_on_few_noisy_samples_keeps_its_fleets_price_until_trusted() -> None:
+    """The sequential re-run's case (``bench/reports/live_agent_sequential/at_359258a``): r1's first five prefills
+    were two harness warm-ups, one cold first turn and two fast ones, so its fit was slower than r0's and r1 got 4 of
+    30 requests, never re-measured. A replica proven slower than its fleet's median is priced like the median until
+    ``trust_obs`` real prefills; one proven faster is priced by its own fit at once."""
+    hw = router_hw(mfu=0.5)
+    cal = Calibrator(bw_util=0.8, min_obs=5)
+    assert cal.trust_obs == 20
+    with pytest.raises(ValueError, match="trust_obs"):
+        Calibrator(bw_util=0.8, min_obs=5, trust_obs=4)
+
+    def seconds(tokens: int, mfu: float) -> float:
+        return 0.003 + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu)
+
+    for i in range(30):
+        cal.observe_prefill("r0", hw, 1500 + 10 * i, 0, seconds(1500 + 10 * i, 0.3))
+    for tokens, mfu in ((1900, 0.05), (1920, 0.06), (1950, 0.02), (1400, 0.3), (1410, 0.3)):  # cold, then warm
+        cal.observe_prefill("r1", hw, tokens, 0, seconds(tokens, mfu))
+    assert cal.fitted("r1") and cal._mfu["r1"].hardware().mfu < 0.9 * cal._mfu["r0"].hardware().mfu  # fit: slow
+    assert cal.hardware("r1", hw) is cal.hardware("r0", hw)  # priced like r0: a tie, so it is chosen and measured
+    assert cal.overhead_s("r1") == pytest.approx(cal.overhead_s("r0"))
+    for i in range(cal.trust_obs - 5):  # its warm prefills, as fast as r0's
+        cal.observe_prefill("r1", hw, 1500 + 7 * i, 0, seconds(1500 + 7 * i, 0.3))
+    assert cal.trusted("r1")
+    assert cal.hardware("r1", hw).mfu == pytest.approx(0.3, rel=0.2)
+    for i in range(5):  # a third replica proven faster than the fleet is priced by its own fit
+        cal.observe_prefill("r2", hw, 1500 + 10 * i, 0, seconds(1500 + 10 * i, 0.45))
+    assert not cal.trusted("r2") and cal.hardware("r2", hw).mfu == pytest.approx(0.45, rel=0.05)
+    assert cal.hardware("r2", hw).mfu > 1.3 * cal.hardware("r1", hw).mfu
 
 
 def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> None:

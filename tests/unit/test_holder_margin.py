@@ -34,7 +34,8 @@ POOL_BLOCKS = 8  # 1,024 tokens in the pool
 
 def live_view(overheads: dict[str, float]) -> LiveView:
     """The router ``kvstack serve`` runs with the embedded default config, each replica's fixed overhead fitted
-    from six prefills (the calibrator's own line: seconds = overhead + FLOPs / (MFU · peak))."""
+    from 24 prefills (the calibrator's own line: seconds = overhead + FLOPs / (MFU · peak)), enough for its own fit
+    to price it even where its sibling's is faster (``Calibrator.trust_obs``)."""
     cfg = load_serve_config(DEFAULT_CONFIG)
     assert (cfg.app.router.policy, cfg.app.router.model_spec, cfg.app.router.gpu_profile) == (
         "cost_based", "tiny-qwen3", "cpu-2core")
@@ -43,10 +44,10 @@ def live_view(overheads: dict[str, float]) -> LiveView:
     hw = view.hardware
     flops_per_s = hw.mfu * hw.gpu.bf16_tflops * 1e12
     for rid, overhead in overheads.items():
-        for tokens in (200, 400, 700, 1000, 1300, 1600):
+        for tokens in (200, 400, 700, 1000, 1300, 1600) * 4:
             seconds = overhead + prefill_flops(hw.model, tokens) / flops_per_s
             view.calibrator.observe_prefill(rid, hw, tokens, 0, seconds)
-        assert view.calibrator.overhead_s(rid) == pytest.approx(overhead, rel=1e-6)
+        assert view.calibrator.trusted(rid) and view.calibrator.overhead_s(rid) == pytest.approx(overhead, rel=1e-6)
     return view
 
 
