@@ -280,6 +280,22 @@ def test_slot_size_mismatch_is_refused(faults: Shards) -> None:
     assert faults.state("b")[3] == 0  # the lease it took to find out was released
 
 
+def wait_until_gone(pid: int, *, deadline_s: float) -> None:
+    """Wait until process ``pid`` (on this machine) has exited (gone, or a zombie its parent has not reaped yet);
+    fail the test past ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} still alive {deadline_s:.0f} s after ray.kill")
+        time.sleep(0.05)
+
+
 def test_frozen_then_killed_source(faults: Shards) -> None:
     victim = faults.by_node["c"]
     keys = keys_for(4, "victim")
@@ -315,7 +331,8 @@ def test_frozen_then_killed_source(faults: Shards) -> None:
     thawed = faults.client("a").pull(victim.shard_id, keys[1:2], FP, deadline_s=DEADLINE_S)  # cached again
     assert thawed.pulled == 1, thawed
     before = faults.state("a")
-    ray.kill(victim.actor, no_restart=True)
+    ray.kill(victim.actor, no_restart=True)  # asynchronous: a pull right after it once reached the live actor
+    wait_until_gone(pid, deadline_s=30.0)
     for attempt in ("cached handle", "resolved again"):
         t0 = time.monotonic()
         rep = faults.client("a").pull(victim.shard_id, keys, FP, deadline_s=2.0)
