@@ -426,7 +426,7 @@ class Calibrator:
     def _fleet_medians(self, base: Hardware | None) -> tuple[MfuEstimator | None, MfuEstimator | None]:
         """The median proven and the median ready estimator (``_median_speed``) of the fleet of ``base`` (None: every
         replica), kept until the next prefill observation. Each observation re-prices every replica not yet trusted
-        (``router.live_view``): scanning and sorting the fleet for each, one observation cost ~21 ms of the ingress's
+        (``router.live_view``): scanning and sorting the fleet for each, one observation cost ~25 ms of the ingress's
         event loop at 64 replicas of 5-15 prefills each, 0.5 ms with the medians kept."""
         hit = self._fleets.get(id(base))
         if hit is not None and hit[0] is base:
