@@ -394,7 +394,9 @@ class Calibrator:
     def trusted(self, replica_id: str) -> bool:
         """Whether the replica's own fit prices it whatever its fleet's do (``trust_obs`` real prefills; before, a
         sibling's fit may price it, so it must be re-priced when those move)."""
-        est = self._mfu.get(replica_id)
+        return self._trusts(self._mfu.get(replica_id))
+
+    def _trusts(self, est: MfuEstimator | None) -> bool:
         return est is not None and est.served.n >= self.trust_obs
 
     def _priced_by(self, replica_id: str, base: Hardware | None) -> MfuEstimator | None:
@@ -412,7 +414,7 @@ class Calibrator:
         its sibling and got 4 of 30 (``bench/reports/live_agent_sequential``): only a replica that is chosen is
         measured, so until ``trust_obs`` samples it gets the benefit of the doubt, and the sibling's price."""
         est = self._mfu.get(replica_id)
-        if est is not None and est.served.n >= self.trust_obs:
+        if self._trusts(est):
             return est
         if base is None and est is not None:
             base = est.base

@@ -33,6 +33,7 @@ from kvpool.shard.wire import PullReply, PullRequest, ShardConfig, decode, encod
 from kvpool.store import StoreConfig
 from kvpool.transfer import BlockOp, decode_metadata, make_endpoint
 from kvpool.transfer.nixl import NixlOptions
+from kvpool.transfer.shm import process_start_ticks
 from kvpool.transfer.tcp import TcpOptions
 from tests.ray_cluster_fixture import RayCluster
 
@@ -281,16 +282,10 @@ def test_slot_size_mismatch_is_refused(faults: Shards) -> None:
 
 
 def wait_until_gone(pid: int, *, deadline_s: float) -> None:
-    """Wait until process ``pid`` (on this machine) has exited (gone, or a zombie its parent has not reaped yet);
+    """Wait until process ``pid`` (on this machine) has exited (``process_start_ticks``: gone, or a zombie);
     fail the test past ``deadline_s``."""
     deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
+    while process_start_ticks(pid) is not None:
         if time.monotonic() > deadline:
             pytest.fail(f"process {pid} still alive {deadline_s:.0f} s after ray.kill")
         time.sleep(0.05)
