@@ -118,10 +118,11 @@ def run_config(args: argparse.Namespace, config: str, repeat: int, work: Path, s
 
 
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
-    """Per configuration, every repeat's successful requests pooled: TTFT summary (seconds), failures, output
-    throughput per run; the subject's TTFT ratios (p50, p90, p99, mean) against each other configuration, with
+    """Per configuration, every repeat's successful requests pooled: TTFT summary (seconds), decode summaries
+    (``decode_times``), failures, output throughput per run; the subject's TTFT ratios (p50, p90, p99, mean) against each other configuration, with
     bootstrap intervals; greedy outputs of each configuration against the first configuration's, per prompt."""
     ttft: dict[str, list[float]] = {}
+    decode: dict[str, dict[str, list[float]]] = {}
     texts: dict[str, dict[int, str]] = {}
     runs: list[dict[str, Any]] = []
     for e in entries:
@@ -130,6 +131,8 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
         errors = res.get("errors") or [""] * len(times)
         ok = [t for t, err in zip(times, errors, strict=True) if not err and t is not None and t > 0]
         ttft.setdefault(cfg, []).extend(ok)
+        for key, values in decode_times(res).items():
+            decode.setdefault(cfg, {}).setdefault(key, []).extend(values)
         if res.get("generated_texts") and cfg not in texts:
             texts[cfg] = dict(enumerate(res["generated_texts"]))
         runs.append({"config": cfg, "repeat": e["repeat"], "error": e.get("error"),
@@ -156,8 +159,28 @@ def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
             if c in texts:
                 both = [i for i in ref if i in texts[c]]
                 outputs[c] = {"compared": len(both), "equal": sum(ref[i] == texts[c][i] for i in both)}
-    return {"configs": configs, "ttft_s": summary, "ratios": ratios, "runs": runs,
+    decode_s = {c: {k: summarize(v) for k, v in decode.get(c, {}).items()} for c in configs}
+    return {"configs": configs, "ttft_s": summary, "decode_s": decode_s, "ratios": ratios, "runs": runs,
             "outputs_vs_first": {"first": configs[0] if configs else None, **outputs}}
+
+
+def decode_times(res: dict[str, Any]) -> dict[str, list[float]]:
+    """One run's successful requests, from vLLM's detailed result: ``tpot`` (seconds per output token after the
+    first, vLLM's own definition), ``itl`` (every gap between two stream chunks the client received; tokens that
+    came in one chunk have none between them) and ``e2el`` (the whole request)."""
+    out: dict[str, list[float]] = {"tpot": [], "itl": [], "e2el": []}
+    ttfts, lats = res.get("ttfts") or [], res.get("latencies") or []
+    lens, itls = res.get("output_lens") or [], res.get("itls") or []
+    errors = res.get("errors") or [""] * len(ttfts)
+    for i, err in enumerate(errors):
+        if err or i >= min(len(ttfts), len(lats), len(lens)) or not lats[i]:
+            continue
+        out["e2el"].append(lats[i])
+        if lens[i] > 1:
+            out["tpot"].append((lats[i] - ttfts[i]) / (lens[i] - 1))
+        if i < len(itls):
+            out["itl"].extend(itls[i] or [])
+    return out
 
 
 def _decision_line(audit: dict[str, Any] | None) -> str | None:
@@ -194,6 +217,18 @@ def render_report(meta: dict[str, Any], agg: dict[str, Any]) -> str:
     for c in agg["configs"]:
         s = agg["ttft_s"][c]
         lines.append(f"| {c} | {s['n']} | {_f(s['p50'])} | {_f(s['p90'])} | {_f(s['p99'])} | {_f(s['mean'])} |")
+    if any(agg.get("decode_s", {}).get(c) for c in agg["configs"]):
+        lines += ["", "## Decode per configuration (seconds; every repeat's successful requests pooled)", "",
+                  "TPOT: per request, (latency − TTFT) / (output tokens − 1). ITL: every gap between two chunks "
+                  "the client received.", "",
+                  "| configuration | TPOT p50 | p90 | p99 | ITL p50 | p99 | chunk gaps | E2E latency p50 | p99 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in agg["configs"]:
+            d = agg["decode_s"].get(c) or {}
+            t, i, e = d.get("tpot", {}), d.get("itl", {}), d.get("e2el", {})
+            lines.append(f"| {c} | {_f(t.get('p50'), '.4f')} | {_f(t.get('p90'), '.4f')} | "
+                         f"{_f(t.get('p99'), '.4f')} | {_f(i.get('p50'), '.4f')} | {_f(i.get('p99'), '.4f')} | "
+                         f"{i.get('n', 0)} | {_f(e.get('p50'))} | {_f(e.get('p99'))} |")
     lines += ["", "## Runs", "", "| run | completed | failed | TTFT median ms | p99 ms | output tok/s | load avg "
               "before→after | error |", "|---|---|---|---|---|---|---|---|"]
     for r in agg["runs"]:

@@ -103,7 +103,8 @@ def _replicas(cfg: AppConfig, entry: ModelEntry, index: int) -> serve.Applicatio
     pool_engines = [m.engine for m in cfg.entries()]
     return serve.deployment(VLLMReplica).options(**replica_options).bind(
         engine, cfg.pool, hub_name=hub_name(index), threads=entry.replicas.engine_threads(),
-        cpu_binding=entry.replicas.cpu_binding, pool_engines=pool_engines)
+        cpu_binding=entry.replicas.cpu_binding, pool_engines=pool_engines,
+        stream_batching_interval_ms=entry.replicas.stream_batching_interval_ms)
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:

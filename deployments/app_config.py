@@ -35,6 +35,9 @@ APP_CONFIG_VERSION = 1
 
 TransferBackend = Literal["nixl", "tcp"]
 
+# How often a replica sends a streamed request's tokens after its first (deployments.stream_batching).
+STREAM_BATCHING_INTERVAL_MS = 20.0
+
 DEFAULT_TIER_MAP: dict[TierRole, str] = {
     "hbm": "hbm",
     "local_dram": "cpu-dram",
@@ -94,6 +97,11 @@ class ReplicaSettings(Strict):
         description="exclusive: a replica's threads run on cores no other replica holds (refused when none is "
                     "free); shared: the least-claimed cores, replicas may share them; unbound: no claim, the "
                     "threads run wherever the OS schedules them (vLLM's nobind) (deployments.cpu_placement)")
+    stream_batching_interval_ms: float = Field(
+        default=STREAM_BATCHING_INTERVAL_MS, ge=0,
+        description="a streamed request's tokens after its first are sent to the ingress at most this often, merged "
+                    "(the first token and the last are never held; 0: every token as the engine makes it) "
+                    "(deployments.stream_batching)")
 
     @model_validator(mode="after")
     def _one_of(self) -> ReplicaSettings:

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from deployments.app_config import PoolSettings
+from deployments.app_config import STREAM_BATCHING_INTERVAL_MS, PoolSettings
 from deployments.cpu_placement import claim_cores, engine_binding
 from deployments.engine_probe import probe_engine
 from deployments.engine_settings import EngineSettings
@@ -59,6 +59,7 @@ from router.hub import (
 )
 from deployments.kv_events import KeyTranslator, KvEventSubscriber
 from deployments.split_staging import SplitStats, stage_split
+from deployments.stream_batching import batched_outputs
 from kvpool.connector.timing import from_params
 from kvpool.keys import BlockKey, rank_interleaved
 from router.wire import (
@@ -147,20 +148,22 @@ def connector_params(request: GenerateRequest, kv_shard_hint: str | None) -> dic
     return {PLAN_PARAM: kv_shard_hint} if kv_shard_hint else None
 
 
-def engine_sampling_params(raw: bytes, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+def engine_sampling_params(raw: bytes, kv_transfer_params: dict[str, Any] | None = None) -> tuple[Any, bool]:
     """The engine's ``SamplingParams``: the ingress's (vLLM's own request conversion, ``router.wire``), streamed as
     deltas whatever the client asked (the ingress merges them), with kvstack's own ``kv_transfer_params`` (what
-    ``connector_params`` tells the connector; a client's are refused at the ingress)."""
+    ``connector_params`` tells the connector; a client's are refused at the ingress); and whether the client asked
+    for the final output only (the replica then sends the first token and the rest at the end)."""
     from vllm.sampling_params import RequestOutputKind
 
     params = decode_sampling_params(raw)
+    final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
     params.output_kind = RequestOutputKind.DELTA
     extra = dict(params.extra_args or {})
     extra.pop("kv_transfer_params", None)
     if kv_transfer_params:
         extra["kv_transfer_params"] = kv_transfer_params
     params.extra_args = extra or None
-    return params
+    return params, final_only
 
 
 def logprob_entries(entry: Any) -> list[TokenLogprob]:
@@ -205,14 +208,18 @@ class VLLMReplica:
     async def __init__(self, engine: dict[str, Any] | EngineSettings, pool: dict[str, Any] | PoolSettings | None = None,
                        hub_name: str | None = DEFAULT_HUB_NAME, hub_namespace: str | None = "kvstack",
                        stats_interval_s: float = 0.5, threads: int = 1, cpu_binding: CpuBinding = "exclusive",
-                       pool_engines: list[EngineSettings] | None = None) -> None:
-        """``pool_engines``: every model's engine of the app (they size the node's shard; default: this one)."""
+                       pool_engines: list[EngineSettings] | None = None,
+                       stream_batching_interval_ms: float = STREAM_BATCHING_INTERVAL_MS) -> None:
+        """``pool_engines``: every model's engine of the app (they size the node's shard; default: this one);
+        ``stream_batching_interval_ms``: a streamed request's tokens after its first are sent at most this often
+        (``deployments.stream_batching``)."""
         import ray
         from ray import serve
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.settings = engine if isinstance(engine, EngineSettings) else EngineSettings.model_validate(engine)
         self.pool_engines = list(pool_engines or [self.settings])
+        self.stream_batching_s = stream_batching_interval_ms / 1000.0
         self._tp_world = self.settings.tensor_parallel_size()  # every rank's pool keys (kvpool.keys.rank_key)
         self._local_shard: Any = None  # this node's pool shard (ShardHandle) when the pool is on
         self.pool_touches = 0  # prefixes served from HBM whose pool blocks were refreshed
@@ -347,11 +354,12 @@ class VLLMReplica:
 
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
-            params = engine_sampling_params(request.sampling_params, connector_params(request, hint))
+            params, final_only = engine_sampling_params(request.sampling_params, connector_params(request, hint))
             prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
-            async for out in self.engine.generate(prompt, params, request.request_id, priority=request.priority,
-                                                  reasoning_ended=request.reasoning_ended,
-                                                  reasoning_parser_kwargs=request.reasoning_parser_kwargs):
+            outputs = self.engine.generate(prompt, params, request.request_id, priority=request.priority,
+                                           reasoning_ended=request.reasoning_ended,
+                                           reasoning_parser_kwargs=request.reasoning_parser_kwargs)
+            async for out in batched_outputs(outputs, None if final_only else self.stream_batching_s):
                 cached = out.num_cached_tokens or 0
                 timeline = None
                 prompt_logprobs = None

@@ -113,7 +113,7 @@ def test_a_policy_that_prices_the_pool_plans_its_loads(policy: str, planned: boo
     request = GenerateRequest(request_id="req-1", prompt_token_ids=list(range(100)), sampling_params=raw,
                               action=routed.action, pool_planned=routed.pool_planned,
                               planned_reuse_tokens=routed.planned_reuse_tokens)
-    params = engine_sampling_params(raw, connector_params(request, "shard-a")).extra_args
+    params = engine_sampling_params(raw, connector_params(request, "shard-a"))[0].extra_args
     assert params == ({"kv_transfer_params": {NO_LOAD_PARAM: True}} if planned
                       else {"kv_transfer_params": {PLAN_PARAM: "shard-a"}})
 

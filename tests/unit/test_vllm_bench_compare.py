@@ -17,7 +17,9 @@ def result(ttfts: list[float], texts: list[str], errors: list[str] | None = None
     errors = errors or [""] * len(ttfts)
     return {"completed": sum(1 for e in errors if not e), "failed": sum(1 for e in errors if e), "ttfts": ttfts,
             "errors": errors, "generated_texts": texts, "median_ttft_ms": 1000 * sorted(ttfts)[len(ttfts) // 2],
-            "p99_ttft_ms": 1000 * max(ttfts), "output_throughput": 10.0, "duration": 5.0}
+            "p99_ttft_ms": 1000 * max(ttfts), "output_throughput": 10.0, "duration": 5.0,
+            "latencies": [t + 0.9 if t else 0.0 for t in ttfts], "output_lens": [10 if t else 0 for t in ttfts],
+            "itls": [[0.1] * 9 if t else [] for t in ttfts]}
 
 
 def test_the_argv_is_the_endpoint_and_result_file_then_the_users_vllm_arguments(tmp_path: Path) -> None:
@@ -59,6 +61,11 @@ def test_the_report_pools_successful_requests_and_compares_outputs_per_prompt() 
             "run_order": [(1, "ray_serve_llm"), (1, "cost_based")], "command": "python -m bench.vllm_bench_compare"}
     text = vbc.render_report(meta, agg)
     assert "| cost_based | 8 | 0.200 |" in text and "0.40×" in text
+    # decode: 9 tokens after the first in 0.9 s, 9 chunk gaps of 0.1 s per request; the failed request has none
+    tpot = agg["decode_s"]["ray_serve_llm"]["tpot"]
+    assert tpot["n"] == 3 and tpot["p50"] == pytest.approx(0.1)
+    assert agg["decode_s"]["ray_serve_llm"]["itl"]["n"] == 27 and agg["decode_s"]["round_robin"]["tpot"]["n"] == 0
+    assert "| ray_serve_llm | 0.1000 | 0.1000 | 0.1000 | 0.1000 | 0.1000 | 27 | 1.400 |" in text
     assert "did not start" in text and "cost_based 2/4 equal" in text
     assert "- cost_based #2: fetch 3 (err 0.21); reused 50% of prompt tokens; plan = engine on 4/4" in text
     assert vbc._decision_line({"error": "ConnectError: refused"}) == "no decision records (ConnectError: refused)"
