@@ -18,7 +18,10 @@ Who calls what:
   its head computed and its tail staged on this node (``deployments.split_staging``).
 - Every request's first chunk carries its ``router.wire.ReplicaTimeline`` (the replica's preparation and vLLM's own
   queued / scheduled / first-token timestamps), its last chunk what its pool calls cost on vLLM's scheduler thread
-  (``kvpool.connector.timing``, from the final output's ``kv_transfer_params``).
+  (``kvpool.connector.timing``, from the final output's ``kv_transfer_params``). The first token goes out at
+  once; the tokens after it are merged into one chunk per ``stream_batching_interval_ms`` and the last is never
+  held (``deployments.stream_batching``); a client that asked for the whole answer gets the first chunk and the
+  rest at the end.
 - ``reset_prefix_cache()`` drops the engine's HBM prefix cache (tests, benchmarks) and tells the hub.
 - Before its engine starts, the replica claims ``threads`` cores of its own and binds the engine to exactly those
   (``deployments.cpu_placement``); every report carries that placement, with the engine's worker processes as
