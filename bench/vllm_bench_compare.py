@@ -119,8 +119,9 @@ def run_config(args: argparse.Namespace, config: str, repeat: int, work: Path, s
 
 def aggregate(entries: list[dict[str, Any]], subject: str) -> dict[str, Any]:
     """Per configuration, every repeat's successful requests pooled: TTFT summary (seconds), decode summaries
-    (``decode_times``), failures, output throughput per run; the subject's TTFT ratios (p50, p90, p99, mean) against each other configuration, with
-    bootstrap intervals; greedy outputs of each configuration against the first configuration's, per prompt."""
+    (``decode_times``), failures, output throughput per run; the subject's TTFT ratios (p50, p90, p99, mean)
+    against each other configuration, with bootstrap intervals; greedy outputs of each configuration against the
+    first configuration's, per prompt."""
     ttft: dict[str, list[float]] = {}
     decode: dict[str, dict[str, list[float]]] = {}
     texts: dict[str, dict[int, str]] = {}
@@ -217,7 +218,7 @@ def render_report(meta: dict[str, Any], agg: dict[str, Any]) -> str:
     for c in agg["configs"]:
         s = agg["ttft_s"][c]
         lines.append(f"| {c} | {s['n']} | {_f(s['p50'])} | {_f(s['p90'])} | {_f(s['p99'])} | {_f(s['mean'])} |")
-    if any(agg.get("decode_s", {}).get(c) for c in agg["configs"]):
+    if any(d.get("tpot", {}).get("n") for d in agg.get("decode_s", {}).values()):  # a request was measured
         lines += ["", "## Decode per configuration (seconds; every repeat's successful requests pooled)", "",
                   "TPOT: per request, (latency − TTFT) / (output tokens − 1). ITL: every gap between two chunks "
                   "the client received.", "",

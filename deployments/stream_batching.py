@@ -39,12 +39,11 @@ async def batched_outputs(outputs: AsyncIterator[Any], interval_s: float | None)
             yield out
         return
     held: Any = None  # outputs read and not yet sent, merged into one
-    ended = False  # the engine's stream is over (finished, failed or cut)
     arrived = asyncio.Event()  # something was read, or the stream ended
     urgent = asyncio.Event()  # a finished output was read, or the stream ended: send what is held now
 
     async def read() -> None:
-        nonlocal held, ended
+        nonlocal held
         try:
             async for out in outputs:
                 if held is None:
@@ -54,8 +53,7 @@ async def batched_outputs(outputs: AsyncIterator[Any], interval_s: float | None)
                 if out.finished:
                     urgent.set()
                 arrived.set()
-        finally:
-            ended = True
+        finally:  # the engine's stream is over (finished, failed or cut): the task is done once this returns
             urgent.set()
             arrived.set()
 
@@ -64,7 +62,7 @@ async def batched_outputs(outputs: AsyncIterator[Any], interval_s: float | None)
     try:
         while True:
             if held is None:
-                if ended:
+                if reader.done():
                     break
                 arrived.clear()
                 await arrived.wait()
