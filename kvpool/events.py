@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -67,13 +68,16 @@ class ShardSnapshot(msgspec.Struct, frozen=True, tag="shard_snapshot"):
 class EventLog:
     """Bounded, gap-detecting event log of one shard epoch (not thread-safe; the store's lock covers it)."""
 
-    def __init__(self, shard_id: str, epoch: str, capacity: int = 65536) -> None:
+    def __init__(self, shard_id: str, epoch: str, capacity: int = 65536,
+                 on_append: Callable[[], None] | None = None) -> None:
+        """``on_append``: called after every append, under the same lock (the store wakes its long polls with it)."""
         if capacity <= 0:
             raise ValueError(f"event log capacity must be positive, got {capacity}")
         self.shard_id = shard_id
         self.epoch = epoch
         self._ring: deque[BlockEvent] = deque(maxlen=capacity)
         self._seq = 0
+        self._on_append = on_append
 
     @property
     def seq(self) -> int:
@@ -82,6 +86,8 @@ class EventLog:
     def append(self, kind: EventKind, key: bytes, tier: Tier) -> None:
         self._seq += 1
         self._ring.append(BlockEvent(self._seq, kind, bytes(key), tier))
+        if self._on_append is not None:
+            self._on_append()
 
     def since(self, after_seq: int, max_events: int = 4096) -> EventBatch:
         """Events after ``after_seq`` (at most ``max_events``). ``gap=True`` when they are no longer held or

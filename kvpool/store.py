@@ -277,10 +277,11 @@ class BlockStore:
         self._leases: dict[int, _Leased] = {}
         self._grants: dict[bytes, int] = {}  # grant -> its lease or reservation id (one id counter serves both)
         self._ids = itertools.count(1)
-        self._log = EventLog(shard_id, self.epoch, config.event_log_capacity)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
-        self._lock = threading.Lock()  # all state above; released only around copies (see the module doc)
+        self._lock = threading.Lock()  # all state here; released only around copies (see the module doc)
         self._settled = threading.Condition(self._lock)  # notified whenever a tier move finishes
+        self._new_events = threading.Condition(self._lock)  # notified on every event (events_since's long polls)
+        self._log = EventLog(shard_id, self.epoch, config.event_log_capacity, on_append=self._new_events.notify_all)
         self._moves: set[Move] = set()  # in flight
         self._publish_gauges()
 
@@ -647,8 +648,13 @@ class BlockStore:
             return EntryInfo(e.tier, e.slot, self.ssd.offset(e.slot), os.fspath(self.ssd.path), e.checksum,
                              e.fingerprint, e.pins)
 
-    def events_since(self, after_seq: int, max_events: int = 4096) -> EventBatch:
+    def events_since(self, after_seq: int, max_events: int = 4096, wait_s: float = 0.0) -> EventBatch:
+        """The events after ``after_seq``. ``wait_s`` > 0 makes it a long poll: when there are none yet (and
+        ``after_seq`` is this epoch's last), wait up to ``wait_s`` for the next one, then answer with what is there
+        (possibly nothing). A cursor of another epoch or outside the ring answers at once (``gap``)."""
         with self._lock:
+            if wait_s > 0 and after_seq == self._log.seq:
+                self._new_events.wait_for(lambda: self._log.seq != after_seq, timeout=wait_s)
             return self._log.since(after_seq, max_events)
 
     def snapshot(self) -> ShardSnapshot:

@@ -76,6 +76,9 @@ class IngressSettings(Strict):
     hub_name: str = DEFAULT_HUB_NAME
     hub_namespace: str = "kvstack"  # the hub and the pool shards are named actors in this namespace
     poll_interval_s: float = Field(default=0.1, gt=0)
+    shard_events_wait_s: float = Field(
+        default=2.0, ge=0, le=10.0, description="how long a pool shard holds the router's events long poll when it "
+                                                "has no event to send (0: plain polls every poll_interval_s)")
     replica_ttl_s: float = Field(default=10.0, gt=0)
     decision_log_size: int = Field(default=1024, gt=0)
 

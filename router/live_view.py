@@ -100,7 +100,7 @@ class LiveView:
         self.layout_fingerprint = ""  # until a replica reports the layout its engine registered
         self._cursor = 0
         self._hub: Any = None
-        self.shard_sync = ShardSync(self.index)
+        self.shard_sync = ShardSync(self.index, wait_s=settings.shard_events_wait_s)
         self.router_id = ""  # set by the ingress (its Serve replica id)
         self._profiled: set[str] = set()  # replicas whose start-up engine profile was applied
         self._published_decisions = 0

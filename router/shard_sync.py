@@ -11,7 +11,10 @@ this module decides what to ask each shard: the events after the cursor, drained
 first seen, a gap in its ring, a restarted shard with a new epoch). Every call has a deadline (``deadline_s``).
 
 Concurrency: each shard syncs on its own (``poll_once`` gathers them; ``run`` keeps one loop per shard), so a slow
-or dead shard costs only its own deadline, never the others' freshness. A shard that fails
+or dead shard costs only its own deadline, never the others' freshness. ``run``'s loops long-poll (``wait_s`` > 0:
+the first events call of a sync waits at the shard up to ``wait_s`` for an event) and start a sync at most once per
+``interval_s``: an idle shard costs one call per ``wait_s`` instead of one per interval, and a burst of events after
+a quiet spell reaches the index when the shard logs it, not at the next poll. A shard that fails
 ``forget_after_failures`` syncs in a row is forgotten (its blocks are treated as gone) and resynced from a snapshot
 when it answers again; a shard no longer listed is forgotten at once.
 """
@@ -35,7 +38,8 @@ class ShardEvents(Protocol):
 
     shard_id: str
 
-    async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch: ...
+    async def events_since(self, after_seq: int, max_events: int, deadline_s: float,
+                           wait_s: float = 0.0) -> EventBatch: ...
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot: ...
 
@@ -61,9 +65,15 @@ class ShardSync:
         max_events: int = 4096,
         max_batches: int = 64,
         forget_after_failures: int = 3,
+        wait_s: float = 0.0,
     ) -> None:
+        """``wait_s``: how long ``run``'s first events call of a sync may wait at the shard for an event (0: plain
+        polls)."""
         if deadline_s <= 0 or max_events <= 0 or max_batches <= 0 or forget_after_failures <= 0:
             raise ValueError("deadline_s, max_events, max_batches and forget_after_failures must be positive")
+        if wait_s < 0:
+            raise ValueError(f"wait_s must be >= 0, got {wait_s}")
+        self.wait_s = wait_s
         self.index = index
         self.deadline_s = deadline_s
         self.max_events = max_events
@@ -100,13 +110,16 @@ class ShardSync:
         relist_s: float = 5.0,
     ) -> None:
         """Until cancelled: relist the shards every ``relist_s`` and keep one sync loop per listed shard (each
-        syncs, then sleeps ``interval_s``), so a shard stuck up to its deadline delays nobody else."""
+        syncs, long-polling with ``wait_s``, and starts its next sync ``interval_s`` after the last one started, or at
+        once when that one took longer), so a shard stuck up to its deadline delays nobody else."""
         loops: dict[str, asyncio.Task[None]] = {}
+        clock = asyncio.get_running_loop().time
 
         async def loop(sid: str) -> None:
             while sid in self._shards:
-                await self._sync_and_count(sid, SyncReport())
-                await asyncio.sleep(interval_s)
+                started = clock()
+                await self._sync_and_count(sid, SyncReport(), self.wait_s)
+                await asyncio.sleep(max(0.0, interval_s - (clock() - started)))
 
         try:
             while True:
@@ -129,9 +142,9 @@ class ShardSync:
 
     # ---- one shard ---------------------------------------------------------------------------------------
 
-    async def _sync_and_count(self, sid: str, report: SyncReport) -> None:
+    async def _sync_and_count(self, sid: str, report: SyncReport, wait_s: float = 0.0) -> None:
         try:
-            await self._sync(sid, report)
+            await self._sync(sid, report, wait_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a failing shard is counted, the others go on
@@ -147,7 +160,8 @@ class ShardSync:
         else:
             self._failures[sid] = 0
 
-    async def _sync(self, sid: str, report: SyncReport) -> None:
+    async def _sync(self, sid: str, report: SyncReport, wait_s: float = 0.0) -> None:
+        """Drain the shard's events into the index; the first call may wait ``wait_s`` at the shard for one."""
         entry = self._shards.get(sid)
         if entry is None:  # no longer listed (set_shards ran meanwhile): nothing to sync
             return
@@ -160,7 +174,11 @@ class ShardSync:
                 cursor = self.index.cursor("shard", sid)
                 if cursor is None:  # events overflowed the index's buffer meanwhile: snapshot again next time
                     break
-            batch = await src.events_since(cursor[1], self.max_events, self.deadline_s)
+            if wait_s > 0:
+                batch = await src.events_since(cursor[1], self.max_events, self.deadline_s, wait_s=wait_s)
+                wait_s = 0.0  # the rest of the drain does not wait
+            else:
+                batch = await src.events_since(cursor[1], self.max_events, self.deadline_s)
             if batch.shard_id != sid:
                 raise ValueError(f"source {sid} answered for shard {batch.shard_id}")
             self.index.apply_shard_batch(batch, node_id)

@@ -14,7 +14,8 @@ What its methods serve (every request and reply is a ``kvpool.shard.wire`` struc
   ``pull`` blocks from a peer shard. This is the ONLY time a shard initiates a transfer: it leases the blocks on
   the source, reads them with its own endpoint into reserved slots of its arena, commits the ones whose checksums
   match and always releases the lease (``kvpool.shard.pull``). Every other transfer is initiated by a client.
-- The router's cluster view pulls ``events_since`` / ``snapshot``.
+- The router's cluster view pulls ``events_since`` / ``snapshot``, or long-polls ``events_wait``: the same answer,
+  held until there is an event or the request's ``wait_s`` has passed.
 - Operators / Prometheus read ``stats`` and ``metrics_text`` (or the HTTP exporter when ``metrics_port`` > 0);
   tests and draining read ``entry_info`` and call ``demote``.
 
@@ -31,7 +32,9 @@ only; SSD reads and writes and lease checksums run outside it, so a slow disk st
 that block). Lease and reservation expiry run on a background sweeper thread every ``sweep_interval_s``, so expiry
 does not wait for the next request. ``pull`` runs in its own concurrency group (``PULL_CONCURRENCY`` threads; more
 pulls queue there): a pull waits on its source for up to its deadline, and pulls stuck on a frozen source must not
-starve ``lookup`` / ``lease`` of the connectors.
+starve ``lookup`` / ``lease`` of the connectors. ``events_wait`` has its own group for the same reason
+(``EVENTS_CONCURRENCY`` threads: a router keeps one long poll per shard; with more routers than threads, the
+extra polls queue for at most one wait each).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from kvpool.metrics import PoolMetrics
 from kvpool.secret import call_proof, pool_secret
 from kvpool.shard.pull import Puller, named_shard_resolver
 from kvpool.shard.wire import (
+    MAX_EVENTS_WAIT_S,
     AbortRequest,
     AckReply,
     CommitReply,
@@ -81,6 +85,7 @@ from kvpool.transfer.tcp import TcpOptions
 log = logging.getLogger(__name__)
 
 PULL_CONCURRENCY = 4  # pulls run in their own Ray concurrency group of this many threads (see the module doc)
+EVENTS_CONCURRENCY = 16  # events long polls (``events_wait``): one per router at a time; more queue (module doc)
 
 
 class PoolShard:
@@ -228,6 +233,16 @@ class PoolShard:
         req = decode(raw, EventsRequest)
         return encode(self.store.events_since(req.after_seq, req.max_events))
 
+    @ray.method(concurrency_group="events")
+    def events_wait(self, raw: bytes, proof: bytes = b"") -> bytes:
+        """``events_since`` as a long poll (``EventsRequest.wait_s``, capped at ``MAX_EVENTS_WAIT_S``): a router
+        asks again as soon as it has applied a batch, and an idle shard answers once per wait instead of once per
+        poll interval. Its own concurrency group, so waiting polls never hold up the connectors' calls."""
+        self._check(proof, "events_wait")
+        req = decode(raw, EventsRequest)
+        wait_s = min(max(req.wait_s, 0.0), MAX_EVENTS_WAIT_S)
+        return encode(self.store.events_since(req.after_seq, req.max_events, wait_s=wait_s))
+
     def snapshot(self, proof: bytes = b"") -> bytes:
         self._check(proof, "snapshot")
         return encode(self.store.snapshot())
@@ -276,4 +291,4 @@ class PoolShard:
         self.store.close()
 
 
-PoolShardActor = ray.remote(concurrency_groups={"pull": PULL_CONCURRENCY})(PoolShard)
+PoolShardActor = ray.remote(concurrency_groups={"pull": PULL_CONCURRENCY, "events": EVENTS_CONCURRENCY})(PoolShard)

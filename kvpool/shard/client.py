@@ -243,9 +243,15 @@ class AsyncShardClient:
                           f"shard {self.shard_id}.stats")
         return decode(raw, StatsReply).stats
 
-    async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch:
-        ref = self.handle.events_since.remote(encode(EventsRequest(after_seq, max_events)),
-                                              proof_for("events_since"))
+    async def events_since(self, after_seq: int, max_events: int, deadline_s: float,
+                           wait_s: float = 0.0) -> EventBatch:
+        """``wait_s`` > 0: a long poll (the shard's ``events_wait``: it answers at the next event or after
+        ``wait_s``); the deadline then runs from the end of the wait."""
+        req = encode(EventsRequest(after_seq, max_events, wait_s))
+        if wait_s > 0:
+            ref = self.handle.events_wait.remote(req, proof_for("events_wait"))
+            return decode_events(await _aget(ref, wait_s + deadline_s, f"shard {self.shard_id}.events_wait"))
+        ref = self.handle.events_since.remote(req, proof_for("events_since"))
         return decode_events(await _aget(ref, deadline_s, f"shard {self.shard_id}.events_since"))
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot:
@@ -277,8 +283,9 @@ class ShardEventSource:
         self._client = AsyncShardClient(handle, shard_id)
         self.shard_id = shard_id
 
-    async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch:
-        return await self._client.events_since(after_seq, max_events, deadline_s)
+    async def events_since(self, after_seq: int, max_events: int, deadline_s: float,
+                           wait_s: float = 0.0) -> EventBatch:
+        return await self._client.events_since(after_seq, max_events, deadline_s, wait_s)
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot:
         return await self._client.snapshot(deadline_s)

@@ -113,9 +113,16 @@ class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
     version: int = POOL_WIRE_VERSION
 
 
+MAX_EVENTS_WAIT_S = 10.0  # the longest a shard holds an events long poll (``EventsRequest.wait_s``)
+
+
 class EventsRequest(msgspec.Struct, frozen=True, tag="events"):
+    """The events after ``after_seq``; ``wait_s`` > 0 (the ``events_wait`` call only): when there are none yet, the
+    shard answers at the next one or after ``wait_s`` (at most ``MAX_EVENTS_WAIT_S``), whichever comes first."""
+
     after_seq: int
     max_events: int = 4096
+    wait_s: float = 0.0
     version: int = POOL_WIRE_VERSION
 
 

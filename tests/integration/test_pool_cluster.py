@@ -298,6 +298,7 @@ def test_a_caller_without_the_cluster_secret_learns_nothing_and_writes_nothing(p
         "lease": (encode(LeaseRequest(held, FP, 30.0)),),
         "release": (encode(ReleaseRequest(1)),),
         "events_since": (encode(EventsRequest(0)),),
+        "events_wait": (encode(EventsRequest(0, wait_s=0.1)),),
         "reserve": (encode(ReserveRequest(2)),),
     }
     for op, args in calls.items():
@@ -475,6 +476,34 @@ def test_router_view_follows_the_shards(pool: Pool, writer: Any) -> None:
     holdings = sync.index.query(keys).pool
     assert [(h.shard_id, h.node_id, h.tier, h.prefix_blocks) for h in holdings] == [
         (pool.by_node["a"].shard_id, pool.by_node["a"].node_id, "dram", 2)]
+
+
+def test_the_routers_long_poll_answers_at_the_shards_next_event(pool: Pool, writer: Any) -> None:
+    """``events_wait`` (the router's long poll, its own concurrency group): an idle shard holds the call, a write
+    elsewhere on it answers it at once, and a lookup meanwhile is not queued behind the waiting poll."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    handle = pool.by_node["a"]
+    source, client = handle.event_source(), pool.client("a")
+    seq = client.snapshot().seq  # the shard's last event
+    keys = keys_for(1, "long-poll")
+
+    async def scenario() -> tuple[Any, float, float]:
+        t0 = time.monotonic()
+        waiting = asyncio.ensure_future(source.events_since(seq, 64, DEADLINE_S, wait_s=8.0))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # nothing new: the shard holds it
+        t1 = time.monotonic()
+        await asyncio.to_thread(client.lookup, keys, FP)  # the default group is free meanwhile
+        lookup_s = time.monotonic() - t1
+        with ThreadPoolExecutor(1) as ex:
+            await asyncio.get_running_loop().run_in_executor(ex, write_blocks, pool, writer, keys, [60])
+        batch = await waiting
+        return batch, time.monotonic() - t0, lookup_s
+
+    batch, took, lookup_s = asyncio.run(scenario())
+    assert keys[0] in [e.key for e in batch.events]
+    assert took < 6.0 and lookup_s < 3.0  # answered by the write, long before its 8 s wait
 
 
 def test_shard_killed_mid_transfer_fails_blocks_within_deadline(

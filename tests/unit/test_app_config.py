@@ -153,7 +153,7 @@ FROM_APP_CONFIG = {  # IngressSettings field -> (app config section, key, a non-
     "openai": ("ingress", "openai", {"enable_auto_tool_choice": True, "tool_call_parser": "hermes",
                                      "max_request_body_bytes": 1024}),
 }
-ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "replica_ttl_s",
+ROUTER_RUNTIME_KNOBS = {"hub_name", "hub_namespace", "poll_interval_s", "shard_events_wait_s", "replica_ttl_s",
                         "decision_log_size"}
 ENGINE_ARGS = {"engine_args"}  # the engines' whole vLLM arguments (EngineSettings.vllm_engine_kwargs)
 ACCESS = {"access"}  # app.ingress's access keys (router.access.AccessSettings), flat in the config: checked below

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ class StoreSource:
         self.fail = False
         self.hang = hang  # never answers: the call runs into its deadline
         self.snapshots = 0
+        self.calls = 0  # events calls
 
     async def _check(self, deadline_s: float) -> None:
         if self.fail:
@@ -40,8 +42,12 @@ class StoreSource:
         if self.hang:
             await asyncio.wait_for(asyncio.Event().wait(), timeout=deadline_s)
 
-    async def events_since(self, after_seq: int, max_events: int, deadline_s: float) -> EventBatch:
+    async def events_since(self, after_seq: int, max_events: int, deadline_s: float,
+                           wait_s: float = 0.0) -> EventBatch:
         await self._check(deadline_s)
+        self.calls += 1
+        if wait_s > 0:  # the store's long poll holds its thread (a thread of the shard actor's "events" group)
+            return await asyncio.to_thread(self.store.events_since, after_seq, max_events, wait_s)
         return self.store.events_since(after_seq, max_events)
 
     async def snapshot(self, deadline_s: float) -> ShardSnapshot:
@@ -221,6 +227,65 @@ def test_run_keeps_syncing_the_others_while_one_shard_hangs(tmp_path: Path) -> N
 
     assert asyncio.run(scenario()) < 1.0  # far below the hung shard's 5 s deadline
     assert sync.index.cursor("shard", "slow") is None
+
+
+def test_the_stores_long_poll_answers_at_the_next_event_or_after_its_wait(tmp_path: Path) -> None:
+    store = new_store(tmp_path, "s")
+    put(store, [key(1)])
+    seq = store.events_since(0).last_seq
+    t0 = time.monotonic()
+    assert [e.key for e in store.events_since(0, wait_s=5.0).events] == [key(1)]  # events there: at once
+    assert store.events_since(seq + 7, wait_s=5.0).gap  # a cursor of another epoch: at once
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    quiet = store.events_since(seq, wait_s=0.2)  # nothing new: waits, then answers with nothing
+    assert not quiet.events and not quiet.gap and quiet.last_seq == seq
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        waiting = pool.submit(store.events_since, seq, 4096, 10.0)
+        time.sleep(0.1)
+        assert not waiting.done()
+        put(store, [key(2)])
+        got = waiting.result(timeout=5.0)
+        took = time.monotonic() - t0
+    assert [e.key for e in got.events] == [key(2)]
+    assert took < 2.0  # woken by the event, far before its 10 s wait
+
+
+def test_run_long_polls_an_idle_shard_and_still_sees_a_new_event_at_once(tmp_path: Path) -> None:
+    """``run`` with ``wait_s``: an idle shard is asked once per wait, not once per interval; an event written while
+    the router waits reaches the index without waiting for the next poll. The same loop without ``wait_s`` polls
+    every interval (the contrast)."""
+
+    async def scenario(wait_s: float) -> tuple[int, float]:
+        store = new_store(tmp_path, f"idle-{wait_s}")
+        src = StoreSource(store)
+        sync = new_sync(deadline_s=5.0, wait_s=wait_s)
+
+        async def listed() -> list:  # type: ignore[type-arg]
+            return [(src, NODE)]
+
+        task = asyncio.create_task(sync.run(listed, interval_s=0.02, relist_s=5.0))
+        try:
+            await asyncio.sleep(0.8)  # idle
+            calls = src.calls
+            put(store, [key(9)])
+            t0 = time.monotonic()
+            while tier_of(sync.index, store.shard_id, key(9)) is None:
+                await asyncio.sleep(0.005)
+                assert time.monotonic() - t0 < 5.0, "the event never reached the index"
+            return calls, time.monotonic() - t0
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    calls, seen_after = asyncio.run(scenario(wait_s=0.5))
+    assert calls <= 4  # 0.8 s idle: the snapshot's call, then about one call per 0.5 s wait
+    assert seen_after < 0.3  # not at the next poll, half a second later
+    plain_calls, _ = asyncio.run(scenario(wait_s=0.0))
+    assert plain_calls >= 15  # one call per 20 ms interval
 
 
 @settings(max_examples=30, deadline=None)
