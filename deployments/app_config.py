@@ -160,6 +160,11 @@ class PoolSettings(Strict):
         default=19, ge=0, le=19, description="nice value of each replica's background saver thread (Linux): 19 = "
                                              "saves run when the engine's threads leave a core idle, never ahead of "
                                              "the forward pass and the first token; 0 = the engine's priority")
+    inline_load_max_bytes: int = Field(
+        default=16 << 20, ge=0, description="a pool hit on the replica's own node, leased by its lookup, of at most "
+                                            "this many bytes is loaded inside the engine step that allocates it (one "
+                                            "shared-memory copy before the forward) instead of a step later; 0: "
+                                            "every load in the background")
     metrics_port: int | None = Field(
         default=9101, ge=1024, le=65535, description="HTTP port of the shard's Prometheus exposition (None: off)"
     )

@@ -53,6 +53,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       are asynchronous by design. So with 19 (the default) the saver runs when the engine's threads leave a core
       idle, and a save waits instead of the request that computed the blocks. 0 gives it the engine's priority.
       Negative values would need privileges and are refused.
+    - ``inline_load_max_bytes``: a pool hit on the own node's shard, already leased by its lookup
+      (``lease_on_lookup``), of at most this many bytes per worker, is loaded inside the step that allocates it (vLLM's
+      synchronous load: one shared-memory copy and its checksums on the model runner's thread before the forward),
+      instead of in the background with the request waiting one more engine step. 0: every load in the background.
+      Not for hybrid models. ``kvpool.connector.scheduler``, "Inline loads".
     """
 
     shards: list[ShardRef] = []
@@ -75,12 +80,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_memory: bool = True
     lease_on_lookup: bool = True
     saver_nice: int = 19
+    inline_load_max_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         for name in ("lookup_deadline_s", "lease_deadline_s", "lease_ttl_s", "transfer_deadline_s", "save_deadline_s",
                      "save_staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kvpool connector: {name} must be positive, got {getattr(self, name)}")
+        if self.inline_load_max_bytes < 0:
+            raise ValueError(f"kvpool connector: inline_load_max_bytes must be >= 0, got {self.inline_load_max_bytes}")
         if not 0 <= self.saver_nice <= 19:
             raise ValueError(f"kvpool connector: saver_nice must be in [0, 19], got {self.saver_nice}")
         ids = [s.shard_id for s in self.shards]

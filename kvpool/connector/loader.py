@@ -40,14 +40,34 @@ class BlockLoader:
             self._unfinished += len(specs)
         self._queue.put(list(specs))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loader's thread, in order with the loads (the worker fetches a shard's metadata there
+        for its inline loads: never on the model runner's thread). Exceptions are logged."""
+        with self._idle:
+            self._unfinished += 1
+        self._queue.put(fn)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a bug must not kill the thread
+            log.exception("kvpool connector: loader call failed")
+        finally:
+            with self._idle:
+                self._unfinished -= 1
+                self._idle.notify_all()
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
+            if callable(item):
+                self._call(item)
+                continue
             batch = list(item)
             stop = False
-            while True:  # everything queued meanwhile joins this batch
+            while True:  # every load queued meanwhile joins this batch (a call queued meanwhile runs first)
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
@@ -55,6 +75,9 @@ class BlockLoader:
                 if more is _STOP:
                     stop = True
                     break
+                if callable(more):
+                    self._call(more)
+                    continue
                 batch.extend(more)
             try:
                 self._run_batch(batch)

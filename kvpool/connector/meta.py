@@ -71,6 +71,9 @@ class LoadSpec(msgspec.Struct, frozen=True):
     ssd_blocks: int = 0  # leased blocks the shard found on SSD (promoted to DRAM for the lease)
     grant: bytes = b""  # the lease's grant, presented with the read (``kvpool.store``, "Grants")
     world: int = 1  # the engine's tensor-parallel ranks the slots are laid out for
+    # vLLM was told this load is synchronous: the worker reads it before this step's forward, and reports a failed
+    # block as an invalid block id of this step (never in finished_recving)
+    inline: bool = False
     version: int = META_VERSION
 
 
@@ -119,11 +122,13 @@ class KvPoolMetadata(KVConnectorMetadata):
 
 
 class KvPoolHandshake(KVConnectorHandshakeMetadata):
-    """Worker → scheduler at startup: the encoded ``KvLayout`` (``kvpool.layout.KvLayout.encode``)."""
+    """Worker → scheduler at startup: the encoded ``KvLayout`` (``kvpool.layout.KvLayout.encode``), and the own
+    node's shard when the worker reads it through shared memory (where the scheduler may plan inline loads)."""
 
-    def __init__(self, layout: bytes, slot_bytes_needed: int) -> None:
+    def __init__(self, layout: bytes, slot_bytes_needed: int, shm_shard: str = "") -> None:
         self.layout = layout
         self.slot_bytes_needed = slot_bytes_needed
+        self.shm_shard = shm_shard  # the shard this worker mapped through shared memory at startup ("": none)
         self.version = META_VERSION
 
 

@@ -100,6 +100,11 @@ class KnownPeers:
         else:
             self._shared[agent_name] = epoch
 
+    def shared(self, agent_name: str, epoch: str) -> bool:
+        """Whether the shard's ``epoch`` is trusted and mapped through shared memory (a read needs no call first)."""
+        return (self._same_host is not None and self._epochs.get(agent_name) == epoch
+                and self._shared.get(agent_name) == epoch)
+
     def endpoint_for(self, agent_name: str) -> Any:
         """The endpoint that moves this shard's bytes: shared memory when it is mapped for the shard's current
         epoch, else the transfer endpoint."""

@@ -45,6 +45,13 @@ is skipped for a backoff period after (``kvpool.connector.breaker``).
 A request vLLM asks about again after its load failed completely (no preemption in between) is offered nothing:
 it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
 otherwise made the request re-load forever).
+Inline loads: a hit on the own node's shard whose lookup leased it (``lease_on_lookup``), which every worker maps
+through shared memory (their handshake says so), of at most
+``inline_load_max_bytes`` per worker (not for hybrids), is answered to vLLM as a synchronous load
+(``load_kv_async=False``): vLLM schedules the request in the step that allocates its blocks, and the worker reads the
+blocks in that step before the forward (one shared-memory copy and the checksums, ``kvpool.connector.worker``) —
+the request saves the engine step it would wait in ``WAITING_FOR_REMOTE_KVS``, the step costs the batch the copy.
+A block that fails comes back as an invalid block id of that step and vLLM recomputes it (its token is not emitted).
 Every pool call has a deadline (``lookup_deadline_s``, ``lease_deadline_s``); none runs on the scheduler's thread.
 Tensor-parallel engines: every rank stores its heads under its own key (``kvpool.keys.rank_key``), so lookups and
 leases ask for every rank's key of each block, block-major (``rank_interleaved``): the shard's longest held prefix
@@ -122,6 +129,7 @@ class _Match:
     start: int  # first block the pool supplies (blocks before it are in the local cache)
     end: int  # one past the last block; for hybrids also the boundary whose state is loaded
     found: _Found | None = None  # the lookup it came from (its lease, if any, covers [start, end))
+    inline: bool = False  # vLLM was told the load is synchronous ("Inline loads")
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,7 @@ class SchedulerStats:
     lookup_leases_used: int = 0  # of those, handed to a load at the allocation
     lookup_leases_unused: int = 0  # of those, released unused (replaced, too old, the request ended without a load)
     lookup_leases_empty: int = 0  # lookups whose hit the lease could not pin at all (evicted, no room to promote)
+    loads_inline: int = 0  # loads handed to the worker as synchronous ("Inline loads")
     history: list[str] = field(default_factory=list)  # short event log for tests/debugging (bounded)
 
     def note(self, event: str) -> None:
@@ -212,6 +221,9 @@ class SchedulerSide:
         self._matches: dict[str, _Match] = {}
         self._leasing: dict[str, _Leasing] = {}
         self._pending_loads: list[LoadSpec] = []
+        self._inline: set[str] = set()  # requests whose inline load went out and whose outcome is not counted yet
+        self.block_bytes = 0  # one block's bytes per worker (the workers' handshake): sizes an inline load
+        self.inline_shard = ""  # the shard every worker mapped through shared memory (the handshake): inline loads
         self.book = SaveBook()  # what this engine saved, is saving, failed to save
         self._kv_cache_manager: Any = None
         self._step = 0  # build_connector_meta calls so far
@@ -233,6 +245,10 @@ class SchedulerSide:
             raise RuntimeError("kvpool connector: workers registered different KV layouts; refusing to start")
         self.layout = KvLayout.decode(layouts.pop())
         self.fingerprint = self.layout.fingerprint
+        handshakes = [m for m in metas.values() if isinstance(m, KvPoolHandshake)]
+        self.block_bytes = max(m.slot_bytes_needed for m in handshakes)
+        mapped = {getattr(m, "shm_shard", "") for m in handshakes}
+        self.inline_shard = mapped.pop() if len(mapped) == 1 else ""  # every worker reads it through shared memory
         log.info("kvpool connector: layout %s (%s), model id %s", self.fingerprint, self.layout.model_id,
                  self.model_id)
         from kvpool.shard.wire import ShardUnavailableError
@@ -320,8 +336,19 @@ class SchedulerSide:
         if end <= start:
             self._matches.pop(request.request_id, None)
             return 0, False
-        self._matches[request.request_id] = _Match(found.shard_id, start, end, found)
-        return end * bs - num_computed_tokens, True
+        inline = self._inline_ok(found, end - start)
+        self._matches[request.request_id] = _Match(found.shard_id, start, end, found, inline)
+        return end * bs - num_computed_tokens, not inline
+
+    def _inline_ok(self, found: _Found, blocks: int) -> bool:
+        """Whether a hit of ``blocks`` blocks loads inside its allocation's step ("Inline loads"): its lookup's lease
+        is in hand (young enough for the allocation to use it), it is on the shard every worker reads through
+        shared memory (their handshake), and it is small."""
+        cap = self.cfg.inline_load_max_bytes
+        return (cap > 0 and found.lease is not None and not self.plan.hybrid and blocks > 0
+                and 0 < blocks * self.block_bytes <= cap and bool(self.inline_shard)
+                and found.shard_id == self.inline_shard
+                and time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2)
 
     def _submit_lookup(self, r: _Req, request: Any, start: int, limit: int) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -503,15 +530,20 @@ class SchedulerSide:
         keys = self._keys(r)
         if match is None or (match.end - match.start) * bs != num_external_tokens:
             # vLLM trimmed the hit (or we lost the match): we cannot vouch for these tokens → fail the whole load,
-            # vLLM recomputes the request from scratch.
+            # vLLM recomputes the request from scratch (an inline one: every external block is reported invalid).
             log.warning("kvpool connector: %s: unexpected external token count %d (match %s)",
                         request.request_id, num_external_tokens, match)
+            if match is not None and match.inline:
+                self._fail_inline(request.request_id, match.start, match.start - (-num_external_tokens // bs),
+                                  blocks.get_block_ids())
+                return
             self._pending_loads.append(_failed_spec(request.request_id))
             return
         world = self.tp_world
         found = match.found
         if found is not None and found.lease is not None and r.found is found:
-            if time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2:
+            # an inline match was checked young enough in this same scheduler pass (``_inline_ok``)
+            if match.inline or time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2:
                 # the lookup's lease pins these blocks already: the load goes out with this step
                 r.found = replace(found, lease=None)
                 self.stats.lookup_leases_used += 1
@@ -524,6 +556,9 @@ class SchedulerSide:
                 self._leasing[request.request_id] = _Leasing(match, blocks.get_block_ids(), done, self._step)
                 return
             self._drop_found_lease(r, "too old")  # the allocation leases again
+        if match.inline:  # never expected (``_inline_ok`` checked the lease): vLLM will not wait, so recompute
+            self._fail_inline(request.request_id, match.start, match.end, blocks.get_block_ids())
+            return
         lease_keys: list[bytes] = list(rank_interleaved(keys[match.start : match.end], world))
         if self.plan.hybrid:
             lease_keys += rank_interleaved([state_key(keys[match.end - 1])], world)
@@ -571,10 +606,20 @@ class SchedulerSide:
             r.wait_s += wait_s
             r.asked_at = None  # a load after a preemption waits from its own first ask
             self._queue_load(rid, match.shard_id, reply, match.start, match.end, p.block_ids, leased, lease_s,
-                             wait_s)
+                             wait_s, inline=match.inline)
+
+    def _fail_inline(self, req_id: str, start: int, end: int, block_ids: tuple[list[int], ...]) -> None:
+        """An inline load that cannot be served: a spec without remote slots, which the worker reports as invalid
+        block ids of this step, so vLLM recomputes them (it did not wait for them)."""
+        r = self._reqs.get(req_id)
+        if r is not None:
+            g = self.plan.block_groups[0]
+            r.loading = [block_ids[g][i] for i in range(start, end)]
+        self._queue_load(req_id, "", None, start, end, block_ids, [], 0.0, 0.0, inline=True)
 
     def _queue_load(self, req_id: str, shard_id: str, reply: Any, start: int, end: int,
-                    block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float, wait_s: float) -> None:
+                    block_ids: tuple[list[int], ...], leased: list[Any], lease_s: float, wait_s: float, *,
+                    inline: bool = False) -> None:
         world = self.tp_world
 
         def slot(j: int) -> RemoteBlock | None:
@@ -604,7 +649,11 @@ class SchedulerSide:
             ssd_blocks=sum(1 for b in leased if b.from_tier is Tier.SSD),
             grant=reply.lease.grant if reply is not None else b"",
             world=world,
+            inline=inline,
         ))
+        if inline:
+            self._inline.add(req_id)
+            self.stats.loads_inline += 1
         self.stats.loads_planned += 1
         self.stats.blocks_to_load += end - start
         self.stats.hit_tokens += (end - start) * self.block_size
@@ -685,7 +734,18 @@ class SchedulerSide:
     def load_outcomes(self, done: Any, failed: Any, invalid: Any) -> None:
         """The loads the workers finished this step (vLLM's ``update_connector_output``: finished and failed
         request ids, the block ids that failed to load): a request's ``loaded_tokens`` counts the leased blocks up
-        to the first that failed — what vLLM kept; it recomputes the rest (nothing of a failed request)."""
+        to the first that failed — what vLLM kept; it recomputes the rest (nothing of a failed request). An inline
+        load is never in ``done``: its outcome is the invalid block ids of the step it ran in, counted at the next
+        output (with vLLM's async scheduling that can be the step before it: a failure then goes uncounted here,
+        never unrecomputed — vLLM itself acts on the ids)."""
+        for rid in self._inline:
+            r = self._reqs.get(rid)
+            if r is None or r.loading is None:
+                continue
+            ids, r.loading = r.loading, None
+            ok = next((i for i, b in enumerate(ids) if invalid and b in invalid), len(ids))
+            r.loaded_tokens += ok * self.block_size
+        self._inline.clear()
         for rid in done or ():
             r = self._reqs.get(rid)
             if r is None or r.loading is None:

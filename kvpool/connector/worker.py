@@ -8,10 +8,12 @@ vLLM's model runner (one per worker process; in-process engines: the engine-core
   every KV storage with a transfer endpoint (``kvpool.transfer``), so bytes move straight between the shard's
   arena and the KV cache blocks.
 - ``get_handshake_metadata()`` right after: the layout, for the scheduler role.
-- ``start_load_kv`` every step (after the forward for asynchronous loads): queues the step's ``LoadSpec``s with the
-  background loader (``kvpool.connector.loader``) and returns. On its thread: one transfer read per shard for all
-  queued loads, straight into the cache blocks, then a checksum check per pool slot. A block that fails (peer dead,
-  deadline, checksum, not leased, its shard's breaker open) is a load error: ``get_block_ids_with_load_errors``
+- ``start_load_kv`` every step (after the forward; before it when the step has a synchronous load): queues the
+  step's ``LoadSpec``s with the background loader (``kvpool.connector.loader``) and returns; an inline one
+  (``LoadSpec.inline``, "Inline loads" in ``kvpool.connector.scheduler``) it reads there and then, through shared
+  memory only. On the loader's thread: one transfer read per shard for all queued loads, straight into the cache
+  blocks, then a checksum check per pool slot. A block that fails (peer dead, deadline, checksum, not leased, its
+  shard's breaker open) is a load error: ``get_block_ids_with_load_errors``
   (dense) or the whole request in ``failed_recving`` (hybrids, where vLLM cannot take block-level errors); vLLM
   recomputes.
 - ``wait_for_save`` every step after the forward: copies the blocks to save into the background saver's staging
@@ -80,6 +82,8 @@ class WorkerStats:
     bytes_read_shm: int = 0  # of bytes_read: through shared memory (the own node's shard, kvpool.transfer.shm)
     read_seconds: float = 0.0
     load_fences: int = 0  # reads that might still land after their deadline: the endpoint was closed and remade
+    loads_inline: int = 0  # of loads: read before the forward of their step (``LoadSpec.inline``)
+    inline_unready: int = 0  # of those: failed at once, the shard not yet mapped here (its mapping is fetched)
 
 
 def make_client_endpoint(cfg: ConnectorConfig, agent_name: str) -> TransferEndpoint:
@@ -164,6 +168,8 @@ class WorkerSide:
         self.loader: BlockLoader | None = None
         self._records: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS)
         self._meta: KvPoolMetadata | None = None
+        self._mapping: set[tuple[str, str]] = set()  # (agent, epoch) being mapped for inline loads (loader thread)
+        self.shm_shard = ""  # the own node's shard, mapped through shared memory at startup (the handshake says so)
         # a TP rank > 0's own key -> (the planned rank-0 key, saves staged and not yet reported)
         self._planned_key: dict[bytes, tuple[bytes, int]] = {}
 
@@ -183,7 +189,7 @@ class WorkerSide:
                  layout.fingerprint, geometry.block_payload, geometry.state_payload, len(storages))
         if not self.plan.usable:
             return
-        self._check_local_slot(geometry.slot_bytes_needed)
+        local = self._check_local_slot(geometry.slot_bytes_needed)
         self.peers = self._peers_of(self.agent_name)
         by_ptr = {info.storage_ptr: kv_caches[name] for name, info in infos.items()}
         for ptr, nbytes in storages:
@@ -193,6 +199,14 @@ class WorkerSide:
             arr = u8.numpy()
             self._arrays.append(arr)
             self._regions.append(self.peers.register(memoryview(arr)))
+        if local is not None and self.cfg.inline_load_max_bytes > 0:
+            # the own node's shard, mapped now: an inline load must find it so (it never fetches on the forward)
+            try:
+                self._ensure_peer(local.shard_id, local.agent_name, local.epoch)
+            except Exception as exc:  # noqa: BLE001 - no inline loads then (the handshake names no shard)
+                log.warning("kvpool connector: local shard %s not mapped at startup: %s", local.shard_id, exc)
+            if self.peers.shared(local.agent_name, local.epoch):
+                self.shm_shard = local.shard_id
         if self.cfg.save:
             # its own clients (and breaker): the saver's thread shares nothing with the loads
             self.saver_shards = saver_shards = PoolShards(self.cfg)
@@ -210,26 +224,28 @@ class WorkerSide:
 
         return KnownPeers(make(), make_same_host_endpoint(self.cfg, agent_name), remake=make)
 
-    def _check_local_slot(self, needed: int) -> None:
-        """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool)."""
+    def _check_local_slot(self, needed: int) -> Any:
+        """Refuse to start when the local shard's slots cannot hold one block (a misconfigured pool). Returns its
+        ``ShardInfo`` (None: no local shard, or it did not answer)."""
         local = self.shards.local_shard_id()
         if local is None:
-            return
+            return None
         try:
             info = self.shards.client(local).info()
         except Exception as exc:  # an unreachable shard is a runtime miss, not a startup error
             log.warning("kvpool connector: local shard %s unreachable at startup: %s", local, exc)
-            return
+            return None
         if info.slot_bytes < needed:
             raise LayoutError(
                 f"kvpool shard {local} has {info.slot_bytes}-byte slots but one pool block of this model needs "
                 f"{needed} bytes (layout {self.layout.fingerprint if self.layout else '?'}); refusing to start"
             )
+        return info
 
     def handshake(self) -> KvPoolHandshake | None:
         if self.layout is None or self.geometry is None:
             return None
-        return KvPoolHandshake(self.layout.encode(), self.geometry.slot_bytes_needed)
+        return KvPoolHandshake(self.layout.encode(), self.geometry.slot_bytes_needed, self.shm_shard)
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: Any) -> None:
@@ -240,13 +256,27 @@ class WorkerSide:
 
     def start_load_kv(self) -> None:
         """Hand this step's loads to the background loader (``kvpool.connector.loader``) and return: the reads and
-        checksums run on its thread; ``transfer_results`` reports each request once its load is done."""
+        checksums run on its thread; ``transfer_results`` reports each request once its load is done. Inline loads
+        (``LoadSpec.inline``: vLLM did not make their requests wait, and calls this before the forward) are read
+        here: one shared-memory copy from the own node's shard and the checksums, never a call to the shard (one not
+        mapped yet fails at once — vLLM recomputes those blocks — and is mapped on the loader's thread for the
+        next)."""
         meta = self._meta
         if meta is None or not meta.loads:
             return
+        inline = [spec for spec in meta.loads if spec.inline]
+        if inline:
+            self._load_batch(inline, inline=True)
+            queued = [spec for spec in meta.loads if not spec.inline]
+        else:
+            queued = list(meta.loads)
+        if queued:
+            self._background().submit(queued)
+
+    def _background(self) -> BlockLoader:
         if self.loader is None:
             self.loader = BlockLoader(self._load_batch, name=f"{self.agent_name}-loader")
-        self.loader.submit(list(meta.loads))
+        return self.loader
 
     def wait_loads(self, timeout_s: float) -> bool:
         """Wait (bounded) until every load handed over so far has run (tests, fault injection)."""
@@ -274,10 +304,11 @@ class WorkerSide:
         items += [(b, geo.state_groups) for b in spec.states[rank::world]]
         return items
 
-    def _load_batch(self, specs: list[LoadSpec]) -> None:
-        """The loader thread: every spec of the batch, one transfer read per shard (loads from one shard overlap in
-        one transfer). Every spec gets its outcome, whatever happens; the batch's outcomes are published together
-        (one ``transfer_results`` reports all of them: requests loaded together are scheduled together)."""
+    def _load_batch(self, specs: list[LoadSpec], inline: bool = False) -> None:
+        """The loader thread (``inline``: the model runner's, before the forward): every spec of the batch, one
+        transfer read per shard (loads from one shard overlap in one transfer). Every spec gets its outcome, whatever
+        happens; the batch's outcomes are published together (one ``transfer_results`` reports all of them:
+        requests loaded together are scheduled together)."""
         groups: dict[tuple[str, str, str, int], list[LoadSpec]] = {}
         for spec in specs:
             groups.setdefault((spec.shard_id, spec.agent_name, spec.shard_epoch, spec.region_id), []).append(spec)
@@ -285,7 +316,7 @@ class WorkerSide:
         for group in groups.values():
             done: dict[int, tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]] = {}
             try:
-                self._load_group(group, done)
+                self._load_group(group, done, inline)
             except Exception as exc:  # noqa: BLE001 - a bug is a failed load (recomputed), never a hung request
                 log.exception("kvpool connector: load from %s failed: %s", group[0].shard_id or "?", exc)
             for i, spec in enumerate(group):
@@ -298,7 +329,8 @@ class WorkerSide:
                 self._post(spec, items, failed)
 
     def _load_group(self, group: list[LoadSpec],
-                    done: dict[int, tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]]) -> None:
+                    done: dict[int, tuple[LoadSpec, list[tuple[LoadBlock, list[GroupSpans]]], set[int]]],
+                    inline: bool = False) -> None:
         """Loads of one shard (same agent, epoch and region): one read for all of their slots, then the checksums."""
         geo = self.geometry
         head = group[0]
@@ -311,7 +343,7 @@ class WorkerSide:
             failed = [set(range(len(it))) or {-1} for it in items]
         moved, read_s = 0, 0.0
         if geo is not None and self.endpoint is not None and head.shard_id and not any(failed):
-            moved, read_s = self._read(group, items, failed, geo)
+            moved, read_s = self._read(group, items, failed, geo, inline)
             for its, f in zip(items, failed, strict=True):
                 self._verify(its, f, geo)
         ok_blocks = sum(len(its) for its, f in zip(items, failed, strict=True) if not f)
@@ -323,8 +355,10 @@ class WorkerSide:
             done[k] = (spec, items[k], failed[k])
 
     def _read(self, group: list[LoadSpec], items: list[list[tuple[LoadBlock, list[GroupSpans]]]],
-              failed: list[set[int]], geo: PoolGeometry) -> tuple[int, float]:
-        """One transfer read of every leased slot of ``group`` (marks the slots that failed); (bytes, seconds)."""
+              failed: list[set[int]], geo: PoolGeometry, inline: bool = False) -> tuple[int, float]:
+        """One transfer read of every leased slot of ``group`` (marks the slots that failed); (bytes, seconds).
+        ``inline``: only through a shared-memory mapping already made (no call to the shard: see
+        ``start_load_kv``)."""
         assert self.endpoint is not None
         head = group[0]
         ops: list[BlockOp] = []
@@ -343,8 +377,15 @@ class WorkerSide:
                     failed[k].add(idx)  # the shard's slot is smaller than our block: never data
         if not ops:
             return 0, 0.0
+        if inline and (self.peers is None or not self.peers.shared(head.agent_name, head.shard_epoch)):
+            self.stats.inline_unready += len(group)
+            self._map_later(head)
+            for k, its in enumerate(items):
+                failed[k].update(range(len(its)))
+            return 0, 0.0
         try:
-            self._ensure_peer(head.shard_id, head.agent_name, head.shard_epoch)
+            if not inline:
+                self._ensure_peer(head.shard_id, head.agent_name, head.shard_epoch)
             assert self.peers is not None
             endpoint = self.peers.endpoint_for(head.agent_name)
             t0 = time.perf_counter()
@@ -379,6 +420,24 @@ class WorkerSide:
             failed[k].add(idx)
         return result.bytes_moved, read_s
 
+    def _map_later(self, spec: LoadSpec) -> None:
+        """Map the shard of an inline load that found it unmapped, on the loader's thread (once per epoch at a
+        time): the next inline load from it reads at once."""
+        key = (spec.agent_name, spec.shard_epoch)
+        if key in self._mapping:
+            return
+        self._mapping.add(key)
+
+        def ensure() -> None:
+            try:
+                self._ensure_peer(spec.shard_id, spec.agent_name, spec.shard_epoch)
+            except Exception as exc:  # noqa: BLE001 - the next inline load asks again
+                log.warning("kvpool connector: mapping shard %s failed: %s", spec.shard_id, exc)
+            finally:
+                self._mapping.discard(key)
+
+        self._background().call(ensure)
+
     def _verify(self, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int], geo: PoolGeometry) -> None:
         """Checksum every slot that arrived (a mismatch is a failed slot: never data)."""
         for idx, (blk, groups) in enumerate(items):
@@ -389,8 +448,20 @@ class WorkerSide:
                 failed.add(idx)
 
     def _post(self, spec: LoadSpec, items: list[tuple[LoadBlock, list[GroupSpans]]], failed: set[int]) -> None:
-        """Publish one request's load outcome for ``transfer_results`` (the caller holds the results lock)."""
+        """Publish one request's load outcome for ``transfer_results`` (the caller holds the results lock). An
+        inline load's request did not wait: only its failed blocks are published (invalid block ids of this step)."""
         self.stats.loads += 1
+        if spec.inline:
+            self.stats.loads_inline += 1
+            bad = [i for i in failed if 0 <= i < len(items)]
+            self.stats.blocks_loaded += len(items) - len(bad)
+            if bad:
+                self.stats.load_failures += 1
+                self.stats.blocks_failed += len(bad)
+                log.warning("kvpool connector: inline load of %s from %s: %d of %d slot(s) failed; vLLM recomputes "
+                            "them", spec.req_id, spec.shard_id or "?", len(bad), len(items))
+                self._invalid_blocks.update(b for i in bad for b in items[i][0].block_ids.values())
+            return
         if not failed:
             self.stats.blocks_loaded += len(items)
             self._finished_recving.add(spec.req_id)

@@ -587,3 +587,68 @@ def test_a_lookup_lease_of_a_request_that_ended_first_is_released() -> None:
     fake.lookup_gate.set()
     until(lambda: fake.released == [7, 7])
     assert side.stats.lookup_leases == 2 and side.stats.lookup_leases_unused == 2 and side.stats.leases_released == 0
+
+
+def test_a_small_leased_hit_on_the_own_shard_loads_inline_in_its_allocation_step() -> None:
+    """"Inline loads": the lookup leased 6 blocks on the local shard and they fit ``inline_load_max_bytes``, so
+    vLLM is told the load is synchronous (no ``WAITING_FOR_REMOTE_KVS`` step): the allocation's step hands the
+    worker an inline ``LoadSpec``, with no pool call then. Its outcome is the step's invalid block ids: a block that
+    failed from block 2 on leaves 2 blocks loaded in the request's timing."""
+    from kvpool.connector.timing import from_params
+
+    side, fake = make_side(held=6)
+    side.block_bytes = 4096  # the workers' handshake: 6 blocks = 24 KiB, under the 16 MiB default
+    side.inline_shard = "s1"  # ... and every worker maps the local shard s1 through shared memory
+    req = request("a")
+    assert first_answer(side, req) == (6 * BS, False)
+    fake.lease_gate.clear()  # no lease call may be needed from here on
+    _, took = timed(side.update_state_after_alloc, req, Blocks(9), 6 * BS)
+    meta, took2 = timed(step, side)
+    assert took < FAST_S and took2 < FAST_S
+    (spec,) = meta.loads
+    assert spec.inline and spec.req_id == "a" and [b.block_ids[0] for b in spec.blocks] == list(range(100, 106))
+    assert all(b.remote is not None for b in spec.blocks)
+    assert side.stats.loads_inline == 1 and side.stats.lookup_leases_used == 1
+    side.load_outcomes(set(), set(), {102, 104})  # the step's output: blocks 102 and 104 failed
+    _, params = side.request_finished(req)
+    timing = from_params(params)
+    assert timing is not None and timing.loaded_tokens == 2 * BS
+
+
+@pytest.mark.parametrize("why", ["too_big", "other_shard", "not_mapped", "no_lookup_lease", "off"])
+def test_a_hit_that_cannot_load_inline_waits_for_its_load_as_before(why: str) -> None:
+    """Over ``inline_load_max_bytes``, on a shard the workers do not read through shared memory (another node's; or
+    the handshake named none: shared memory off, a shard that does not export its arena), without a lease from its
+    lookup, or with inline loads off: vLLM is told the load is asynchronous, and the spec is not inline."""
+    side, fake = make_side(held=6, lease_on_lookup=why != "no_lookup_lease")
+    side.block_bytes, side.inline_shard = 4096, "s1" if why != "not_mapped" else ""
+    if why == "too_big":
+        side.cfg = replace_cfg(side.cfg, inline_load_max_bytes=5 * 4096)
+    elif why == "off":
+        side.cfg = replace_cfg(side.cfg, inline_load_max_bytes=0)
+    elif why == "other_shard":
+        side.inline_shard = "s2"
+    req = request("a")
+    assert first_answer(side, req) == (6 * BS, True)
+    spec = leased_load(side, req, 9, 6 * BS)
+    assert not spec.inline and side.stats.loads_inline == 0
+
+
+def test_an_inline_hit_that_vllm_trims_is_recomputed_never_waited_for() -> None:
+    """vLLM allocated fewer external tokens than the inline answer (it trimmed the hit): the connector cannot vouch
+    for them, and vLLM will not wait, so the step's spec carries those blocks without a slot: the worker reports
+    them invalid and vLLM recomputes them."""
+    side, _ = make_side(held=6)
+    side.block_bytes, side.inline_shard = 4096, "s1"
+    req = request("a")
+    assert first_answer(side, req) == (6 * BS, False)
+    side.update_state_after_alloc(req, Blocks(9), 4 * BS)
+    (spec,) = step(side).loads
+    assert spec.inline and [b.block_ids[0] for b in spec.blocks] == list(range(100, 104))
+    assert all(b.remote is None for b in spec.blocks)
+
+
+def replace_cfg(cfg: ConnectorConfig, **kw: Any) -> ConnectorConfig:
+    import msgspec
+
+    return msgspec.structs.replace(cfg, **kw)
