@@ -46,11 +46,11 @@ A request vLLM asks about again after its load failed completely (no preemption 
 it recomputes once instead of looping on blocks that fail the same way (measured: a slot corrupted under a lease
 otherwise made the request re-load forever).
 Inline loads: a hit on the own node's shard whose lookup leased it (``lease_on_lookup``), which every worker maps
-through shared memory (their handshake says so), of at most
-``inline_load_max_bytes`` per worker (not for hybrids), is answered to vLLM as a synchronous load
-(``load_kv_async=False``): vLLM schedules the request in the step that allocates its blocks, and the worker reads the
-blocks in that step before the forward (one shared-memory copy and the checksums, ``kvpool.connector.worker``) —
-the request saves the engine step it would wait in ``WAITING_FOR_REMOTE_KVS``, the step costs the batch the copy.
+through shared memory (their handshake says so), of at most ``inline_load_max_bytes`` per worker (not for hybrids),
+is answered to vLLM as a synchronous load (``load_kv_async=False``): vLLM schedules the request in the step that
+allocates its blocks, and the worker reads the blocks in that step before the forward (one shared-memory copy and
+the checksums, ``kvpool.connector.worker``) — the request saves the engine step it would wait in
+``WAITING_FOR_REMOTE_KVS``, the step costs the batch the copy.
 A block that fails comes back as an invalid block id of that step and vLLM recomputes it (its token is not emitted).
 Every pool call has a deadline (``lookup_deadline_s``, ``lease_deadline_s``); none runs on the scheduler's thread.
 Tensor-parallel engines: every rank stores its heads under its own key (``kvpool.keys.rank_key``), so lookups and
