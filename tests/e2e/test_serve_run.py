@@ -78,15 +78,19 @@ def status(served) -> dict[str, Any]:
     return httpx.get(served["base"] + "/kvstack/status", timeout=60).json()
 
 
-def wait_for(served, holds, what: str, timeout_s: float = 90.0) -> dict[str, Any]:
+def wait_for(served, holds, what: str, timeout_s: float = 90.0, answers: int = 1) -> dict[str, Any]:
+    """``answers``: in a row. A replica row is the answering router's view, which a replica's late report can still
+    change (with several routers, either answers: ``tests.e2e.serve_run.wait_for_status``)."""
     deadline = time.monotonic() + timeout_s
+    in_a_row = 0
     while True:
         st = status(served)
-        if holds(st):
+        in_a_row = in_a_row + 1 if holds(st) else 0
+        if in_a_row >= answers:
             return st
         if time.monotonic() > deadline:
             pytest.fail(f"not within {timeout_s:.0f} s: {what}; last status: {st}")
-        time.sleep(1.0)
+        time.sleep(1.0 if not in_a_row else 0.2)
 
 
 def worker_ids(st: dict[str, Any]) -> set[str]:
@@ -118,7 +122,8 @@ def test_a_prefix_is_fetched_from_the_pool_after_an_hbm_reset(served) -> None:
              f"the {blocks} blocks saved in the pool")
     reset = httpx.post(served["base"] + "/kvstack/admin/reset_prefix_cache", timeout=60).json()
     assert len(reset) == 2 and all(r["ok"] for r in reset), reset
-    wait_for(served, lambda st: all(r["hbm_blocks"] == 0 for r in st["replicas"]), "the router saw the HBM reset")
+    wait_for(served, lambda st: all(r["hbm_blocks"] == 0 for r in st["replicas"]), "the router saw the HBM reset",
+             answers=6)
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
                                                            temperature=0)
     again = raw.parse()
