@@ -174,11 +174,8 @@ class ShardSync:
                 cursor = self.index.cursor("shard", sid)
                 if cursor is None:  # events overflowed the index's buffer meanwhile: snapshot again next time
                     break
-            if wait_s > 0:
-                batch = await src.events_since(cursor[1], self.max_events, self.deadline_s, wait_s=wait_s)
-                wait_s = 0.0  # the rest of the drain does not wait
-            else:
-                batch = await src.events_since(cursor[1], self.max_events, self.deadline_s)
+            batch = await src.events_since(cursor[1], self.max_events, self.deadline_s, wait_s=wait_s)
+            wait_s = 0.0  # the rest of the drain does not wait
             if batch.shard_id != sid:
                 raise ValueError(f"source {sid} answered for shard {batch.shard_id}")
             self.index.apply_shard_batch(batch, node_id)

@@ -237,7 +237,8 @@ class SchedulerSide:
     def set_handshake(self, metas: dict[Any, Any]) -> None:
         """Adopt the workers' layout; every rank must report the same one. Joins the Ray cluster here, once, on
         the engine's own thread (never later on a pool-call thread)."""
-        layouts = {m.layout for m in metas.values() if isinstance(m, KvPoolHandshake)}
+        handshakes = [m for m in metas.values() if isinstance(m, KvPoolHandshake)]
+        layouts = {m.layout for m in handshakes}
         if not layouts:
             log.warning("kvpool connector: no worker reported a layout; the pool stays off")
             return
@@ -245,9 +246,8 @@ class SchedulerSide:
             raise RuntimeError("kvpool connector: workers registered different KV layouts; refusing to start")
         self.layout = KvLayout.decode(layouts.pop())
         self.fingerprint = self.layout.fingerprint
-        handshakes = [m for m in metas.values() if isinstance(m, KvPoolHandshake)]
         self.block_bytes = max(m.slot_bytes_needed for m in handshakes)
-        mapped = {getattr(m, "shm_shard", "") for m in handshakes}
+        mapped = {m.shm_shard for m in handshakes}
         self.inline_shard = mapped.pop() if len(mapped) == 1 else ""  # every worker reads it through shared memory
         log.info("kvpool connector: layout %s (%s), model id %s", self.fingerprint, self.layout.model_id,
                  self.model_id)
@@ -344,11 +344,12 @@ class SchedulerSide:
         """Whether a hit of ``blocks`` blocks loads inside its allocation's step ("Inline loads"): its lookup's lease
         is in hand (young enough for the allocation to use it), it is on the shard every worker reads through
         shared memory (their handshake), and it is small."""
-        cap = self.cfg.inline_load_max_bytes
-        return (cap > 0 and found.lease is not None and not self.plan.hybrid and blocks > 0
-                and 0 < blocks * self.block_bytes <= cap and bool(self.inline_shard)
-                and found.shard_id == self.inline_shard
-                and time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2)
+        return (not self.plan.hybrid and 0 < blocks * self.block_bytes <= self.cfg.inline_load_max_bytes
+                and bool(self.inline_shard) and found.shard_id == self.inline_shard and self._lease_usable(found))
+
+    def _lease_usable(self, found: _Found) -> bool:
+        """The lookup's lease is in hand and young enough for a load to use it (half the lease's ttl left)."""
+        return found.lease is not None and time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2
 
     def _submit_lookup(self, r: _Req, request: Any, start: int, limit: int) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -543,7 +544,7 @@ class SchedulerSide:
         found = match.found
         if found is not None and found.lease is not None and r.found is found:
             # an inline match was checked young enough in this same scheduler pass (``_inline_ok``)
-            if match.inline or time.monotonic() - found.at <= self.cfg.lease_ttl_s / 2:
+            if match.inline or self._lease_usable(found):
                 # the lookup's lease pins these blocks already: the load goes out with this step
                 r.found = replace(found, lease=None)
                 self.stats.lookup_leases_used += 1
@@ -739,22 +740,22 @@ class SchedulerSide:
         output (with vLLM's async scheduling that can be the step before it: a failure then goes uncounted here,
         never unrecomputed — vLLM itself acts on the ids)."""
         for rid in self._inline:
-            r = self._reqs.get(rid)
-            if r is None or r.loading is None:
-                continue
-            ids, r.loading = r.loading, None
-            ok = next((i for i, b in enumerate(ids) if invalid and b in invalid), len(ids))
-            r.loaded_tokens += ok * self.block_size
+            self._count_loaded(rid, invalid)
         self._inline.clear()
         for rid in done or ():
-            r = self._reqs.get(rid)
-            if r is None or r.loading is None:
-                continue
-            ids, r.loading = r.loading, None
-            if failed and rid in failed:
-                continue
-            ok = next((i for i, b in enumerate(ids) if invalid and b in invalid), len(ids))
-            r.loaded_tokens += ok * self.block_size
+            self._count_loaded(rid, invalid, failed=bool(failed) and rid in failed)
+
+    def _count_loaded(self, rid: str, invalid: Any, *, failed: bool = False) -> None:
+        """A load handed over is done: its leased blocks up to the first ``invalid`` one count as loaded tokens
+        (none for a ``failed`` request)."""
+        r = self._reqs.get(rid)
+        if r is None or r.loading is None:
+            return
+        ids, r.loading = r.loading, None
+        if failed:
+            return
+        ok = next((i for i, b in enumerate(ids) if invalid and b in invalid), len(ids))
+        r.loaded_tokens += ok * self.block_size
 
     def save_outcomes(self, report: Any) -> None:
         """The workers' ``SaveReport`` of a step (vLLM's ``update_connector_output``): committed keys count as
