@@ -44,10 +44,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``shared_memory``: reach the own node's shard through shared memory (``kvpool.transfer.shm``: loads and saves
       are one memory copy) when it exports its arena; the other shards, and a shard that does not export, through
       ``backend``.
-    - ``lease_on_lookup``: a lookup that finds blocks also leases them on the best shard (one more round trip on
-      the pool-call thread, before vLLM's ask is answered), so the load is handed to the worker in the step vLLM
-      allocates its blocks; off = the lease starts at the allocation and the load goes out a step later
-      (``kvpool.connector.scheduler``). Not for hybrid models (their hit ends where a state is held).
+    - ``lease_on_lookup``: a lookup leases what it finds (on its first candidate shard in the lookup's own round
+      trip; on another shard that holds more, one more round trip; both on the pool-call thread, before vLLM's ask
+      is answered), so the load is handed to the worker in the step vLLM allocates its blocks; off = the lease
+      starts at the allocation and the load goes out a step later (``kvpool.connector.scheduler``). Not for hybrid
+      models (their hit ends where a state is held).
     - ``saver_nice``: the nice value (0..19) of the background saver's thread. On Linux each thread has its own
       scheduling priority. The saver shares the worker's cores with the forward pass and the output path, and saves
       are asynchronous by design. So with 19 (the default) the saver runs when the engine's threads leave a core

@@ -308,12 +308,14 @@ class PoolShards:
         return local
 
     def lookup_many(
-        self, calls: Sequence[tuple[str, Sequence[bytes]]], fingerprint: str, deadline_s: float
+        self, calls: Sequence[tuple[str, Sequence[bytes]]], fingerprint: str, deadline_s: float,
+        *, lease_ttl_s: float | None = None,
     ) -> list[Any]:
         """Run ``lookup(keys)`` on each ``(shard_id, keys)`` at once; the ``LookupResult`` of each, or None where the
-        shard failed, did not answer within ``deadline_s``, or is skipped by its breaker."""
+        shard failed, did not answer within ``deadline_s``, or is skipped by its breaker. With ``lease_ttl_s`` the
+        first call leases instead (``kvpool.shard.client.lookup_many``): its entry is the ``LeaseReply`` (or None)."""
         from kvpool.shard.client import lookup_many
-        from kvpool.shard.wire import LookupReply, ShardUnavailableError
+        from kvpool.shard.wire import LeaseReply, LookupReply, ShardUnavailableError
 
         clients: list[Any] = []
         for shard_id, _ in calls:
@@ -323,16 +325,18 @@ class PoolShards:
                 log.debug("kvpool connector: lookup on %s skipped: %s", shard_id, exc)
                 clients.append(None)
         sent = [(c._client, keys) for c, (_, keys) in zip(clients, calls, strict=True) if c is not None]
-        replies = iter(lookup_many(sent, fingerprint, deadline_s))
+        lease_first = lease_ttl_s is not None and bool(clients) and clients[0] is not None
+        replies = iter(lookup_many(sent, fingerprint, deadline_s, lease_ttl_s=lease_ttl_s if lease_first else None))
         out: list[Any] = []
-        for (shard_id, _), c in zip(calls, clients, strict=True):
+        for i, ((shard_id, _), c) in enumerate(zip(calls, clients, strict=True)):
             reply = None if c is None else next(replies)
-            if c is not None and not isinstance(reply, LookupReply):  # no answer in time, a dead actor, a bad reply
+            kind = LeaseReply if i == 0 and lease_first else LookupReply
+            if c is not None and not isinstance(reply, kind):  # no answer in time, a dead actor, a bad reply
                 log.warning("kvpool connector: lookup on %s failed: %s", shard_id, reply or "no answer in time")
                 self.forget(shard_id)
             elif c is not None:
                 self.breaker.success(shard_id)
-            out.append(reply.result if isinstance(reply, LookupReply) else None)
+            out.append(reply.result if isinstance(reply, LookupReply) else reply if isinstance(reply, kind) else None)
         return out
 
 

@@ -18,11 +18,14 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   Only full blocks of the prompt, keyed by chained block keys (``kvpool.keys``) under ``Namespace(model_id,
   fingerprint, cache_salt)``. Hybrids: the hit ends at the furthest boundary where the
   shard holds the full-attention blocks *and* the state snapshot (``state_key``). With ``lease_on_lookup`` (default;
-  not for hybrids) a lookup that finds blocks also leases them on that shard, in the same pool-call job: the answer
-  is what the lease pinned, and the lease waits, unused, for vLLM's allocation (released when a newer lookup replaces
-  it or the request ends; one older than half the lease's ttl is not used; a leased answer is refreshed only after a
-  quarter of the ttl). Loads are asynchronous in vLLM's terms (``load_kv_async=True``): the request waits in
-  ``WAITING_FOR_REMOTE_KVS`` while the worker pulls its blocks; the engine keeps stepping the others. The worker
+  not for hybrids) the lookup leases its first candidate shard (the router's planned one, else the local one) in
+  the same round trip as the other shards' lookups — a lease pins the longest prefix the shard holds, a lookup that
+  keeps what it found; only when another shard holds more is that one leased, in a second round trip, and the first
+  lease released. The answer is what the lease pinned, and the lease waits, unused, for vLLM's allocation
+  (released when a newer lookup replaces it or the request ends; one older than half the lease's ttl is not used; a
+  leased answer is refreshed only after a quarter of the ttl). Loads are asynchronous in vLLM's terms
+  (``load_kv_async=True``): the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker pulls its blocks; the
+  engine keeps stepping the others. The worker
   reports a load at the end of the step it ran in, and vLLM schedules the request in the next one: a load handed
   over in the step of its allocation costs the request that one step, a lease taken only at the allocation two.
 - ``update_state_after_alloc(request, blocks, n)`` once vLLM allocated blocks for ``n`` external tokens: hands the
@@ -88,6 +91,7 @@ from kvpool.connector.timing import PoolRequestTiming, to_params
 from kvpool.events import Tier
 from kvpool.keys import BlockKey, Namespace, chain_keys, rank_interleaved
 from kvpool.layout import KvLayout
+from kvpool.shard.wire import LeaseReply
 
 log = logging.getLogger(__name__)
 
@@ -429,20 +433,28 @@ class SchedulerSide:
 
     def _lookup(self, hinted: str | None, keys: list[BlockKey], start: int, limit: int) -> _Found:
         """One parallel lookup of ``keys`` (blocks [start, limit), rank 0's keys; every rank's are asked for) over the
-        candidate shards: the best match."""
+        candidate shards: the best match. With ``lease_on_lookup`` (not hybrids) the first candidate — the router's
+        planned shard, else the local one — is leased in the same round trip instead of looked up; a second round
+        trip only when another shard holds more (that one is leased, the first lease released)."""
         assert self.fingerprint is not None
         t0 = time.perf_counter()
         shards = self._candidates(hinted)
         local = self.shards.local_shard_id(wait=False)
         world = self.tp_world
         asked = rank_interleaved(keys, world)
-        results = self.shards.lookup_many([(s, asked) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s)
-        best_shard, best, failures, local_prefix = "", 0, 0, None
+        lease_first = self.cfg.lease_on_lookup and not self.plan.hybrid
+        results = self.shards.lookup_many([(s, asked) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s,
+                                          lease_ttl_s=self.cfg.lease_ttl_s if lease_first else None)
+        best_shard, best, failures, local_prefix, first_lease = "", 0, 0, None, None
         for sid, res in zip(shards, results, strict=True):
             if res is None:
                 failures += 1
                 continue
-            held = res.prefix // world  # blocks every rank holds
+            if isinstance(res, LeaseReply):
+                first_lease = res
+                held = min(len(res.lease.blocks) // world, limit - start)  # blocks every rank's lease pinned
+            else:
+                held = res.prefix // world  # blocks every rank holds
             if sid == local:
                 local_prefix = held
             if held > best:
@@ -451,11 +463,19 @@ class SchedulerSide:
         if best and self.plan.hybrid:
             end = self._state_boundary(best_shard, keys, start, end)
         lease, lease_s = None, 0.0
-        if best and self.cfg.lease_on_lookup and not self.plan.hybrid:
-            lease, lease_s, pinned = self._lease_found(best_shard, keys, start, end)
-            if pinned < end and best_shard == local:
-                local_prefix = pinned - start  # the local shard dropped blocks it had (a checksum, evicted)
-            end = pinned
+        if first_lease is not None and best and best_shard == shards[0]:
+            lease = first_lease
+            with self._stats_lock:
+                self.stats.lookup_leases += 1
+        else:
+            if first_lease is not None and first_lease.lease.lease_id:  # another shard holds more: not waited for
+                self.calls.submit(self._release_call, "", _Lease(shards[0], first_lease.lease.lease_id, -1),
+                                  "lookup lease beaten", False)
+            if best and self.cfg.lease_on_lookup and not self.plan.hybrid:
+                lease, lease_s, pinned = self._lease_found(best_shard, keys, start, end)
+                if pinned < end and best_shard == local:
+                    local_prefix = pinned - start  # the local shard dropped blocks it had (a checksum, evicted)
+                end = pinned
         return _Found(best_shard, start, limit, end, time.monotonic(), failures, time.perf_counter() - t0 - lease_s,
                       local_prefix, lease, lease_s)
 

@@ -19,7 +19,8 @@ TIMING_PARAM = "kvpool_timing"  # key of PoolRequestTiming in a finished request
 
 class PoolRequestTiming(msgspec.Struct, frozen=True, kw_only=True):
     """One request's pool calls (on the connector's pool-call threads, never vLLM's scheduler thread): lookups (each
-    one parallel round trip over the shards) and its lease, in seconds; the tokens it loaded from the pool;
+    one parallel round trip over the shards; a lease taken in that round trip counts here) and a lease of its own
+    round trip, in seconds; the tokens it loaded from the pool;
     ``not_yet``: the scheduler steps it was skipped because its lookup was still in flight; ``wait_s``: what it
     waited on the pool before its loads were handed to the worker, from vLLM's first ask (``LoadSpec.wait_s``)."""
 

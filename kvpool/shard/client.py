@@ -135,6 +135,11 @@ class ShardClient:
         return self.handle.lookup.remote(encode(LookupRequest([bytes(k) for k in keys], fingerprint)),
                                          proof_for("lookup"))
 
+    def send_lease(self, keys: Sequence[bytes], fingerprint: str, ttl_s: float) -> Any:
+        """Send a lease without waiting: the Ray object ref of its reply (``lookup_many`` with ``lease_ttl_s``)."""
+        return self.handle.lease.remote(encode(LeaseRequest([bytes(k) for k in keys], fingerprint, ttl_s)),
+                                        proof_for("lease"))
+
     def lookup(self, keys: Sequence[bytes], fingerprint: str) -> LookupReply:
         return decode(self._call("lookup", encode(LookupRequest(list(keys), fingerprint))), LookupReply)
 
@@ -202,23 +207,28 @@ class ShardClient:
 
 
 def lookup_many(
-    calls: Sequence[tuple[ShardClient, Sequence[bytes]]], fingerprint: str, deadline_s: float
-) -> list[LookupReply | Exception | None]:
+    calls: Sequence[tuple[ShardClient, Sequence[bytes]]], fingerprint: str, deadline_s: float,
+    *, lease_ttl_s: float | None = None,
+) -> list[LookupReply | LeaseReply | Exception | None]:
     """Run ``lookup(keys)`` on each ``(client, keys)`` at once, all bounded by one ``deadline_s``. Per call: the
     ``LookupReply``; None when the shard did not answer in time; the exception when the call failed (a dead actor,
-    an error in the shard, a reply of another wire version)."""
-    refs = [client.send_lookup(keys, fingerprint) for client, keys in calls]
+    an error in the shard, a reply of another wire version). With ``lease_ttl_s`` the first call is a lease of that
+    ttl instead (the shard pins the longest prefix it holds: a lookup that keeps what it found), its entry the
+    ``LeaseReply``; a lease answered after the deadline is not released here (its ttl ends it)."""
+    refs = [client.send_lease(keys, fingerprint, lease_ttl_s) if i == 0 and lease_ttl_s is not None
+            else client.send_lookup(keys, fingerprint) for i, (client, keys) in enumerate(calls)]
     ready: set[Any] = set()
     if refs:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s)
         ready = set(done)
-    out: list[LookupReply | Exception | None] = []
-    for ref in refs:
+    out: list[LookupReply | LeaseReply | Exception | None] = []
+    for i, ref in enumerate(refs):
         if ref not in ready:
             out.append(None)
             continue
+        kind: type[LookupReply] | type[LeaseReply] = LeaseReply if i == 0 and lease_ttl_s is not None else LookupReply
         try:
-            out.append(decode(ray.get(ref, timeout=0), LookupReply))
+            out.append(decode(ray.get(ref, timeout=0), kind))
         except Exception as exc:  # noqa: BLE001 - the caller decides (a miss, never data)
             out.append(exc)
     return out

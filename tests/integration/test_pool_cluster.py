@@ -25,9 +25,9 @@ import ray
 
 from kvpool.checksum import block_checksum
 from kvpool.keys import Namespace, block_keys
-from kvpool.shard.client import ShardClient, ShardHandle
+from kvpool.shard.client import ShardClient, ShardHandle, lookup_many
 from kvpool.shard.placement import PoolNode, build_pool, stop_shards
-from kvpool.shard.wire import ShardConfig, ShardUnavailableError
+from kvpool.shard.wire import LeaseReply, LookupReply, ShardConfig, ShardUnavailableError
 from kvpool.store import StoreConfig
 from kvpool.transfer import make_endpoint
 from kvpool.transfer.nixl import NixlOptions
@@ -406,6 +406,23 @@ def test_lease_protects_from_eviction(pool: Pool, writer: Any, reader: Any) -> N
     got = [ray.get(reader.get.remote(i * SLOT, SLOT), timeout=30) for i in range(3)]
     assert got == [payload(s) for s in (10, 11, 12)]
     assert client.release(rep.lease.lease_id)
+
+
+def test_one_round_trip_leases_the_first_shard_and_looks_up_the_others(pool: Pool, writer: Any) -> None:
+    """The connector's ``lease_on_lookup`` round trip (``lookup_many`` with ``lease_ttl_s``): node a's shard pins
+    what it holds and grants it, node c's answers a plain lookup; a lease that finds nothing pins nothing."""
+    a, c = pool.client("a"), pool.client("c")
+    keys = keys_for(3, "one-trip")
+    write_blocks(pool, writer, keys, [50, 51, 52])
+    before = a.stats().leases
+    leased, looked = lookup_many([(a, keys + keys_for(1, "one-trip-tail")), (c, keys)], FP, DEADLINE_S,
+                                 lease_ttl_s=30.0)
+    assert isinstance(leased, LeaseReply) and isinstance(looked, LookupReply)
+    assert [b.key for b in leased.lease.blocks] == keys and leased.lease.grant and looked.result.prefix == 0
+    assert a.stats().leases == before + 1
+    assert a.release(leased.lease.lease_id) and a.stats().leases == before
+    (missed,) = lookup_many([(c, keys)], FP, DEADLINE_S, lease_ttl_s=30.0)
+    assert isinstance(missed, LeaseReply) and missed.lease.lease_id == 0 and not missed.lease.blocks
 
 
 def test_lease_expires_on_the_shard_sweeper(pool: Pool, writer: Any) -> None:

@@ -48,11 +48,19 @@ class FakeShards:
     def local_shard_id(self, *, wait: bool = True) -> str:
         return "s1"
 
-    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float) -> list[Any]:
+    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float, *, lease_ttl_s: float | None = None
+                    ) -> list[Any]:
         if not self.lookup_gate.wait(deadline_s):
             return [None for _ in calls]
         self.lookups.append(len(calls[0][1]))
-        return [LookupResult(min(self.held, len(keys)), min(self.held, len(keys)), 0) for _, keys in calls]
+        out = [LookupResult(min(self.held, len(keys)), min(self.held, len(keys)), 0) for _, keys in calls]
+        if lease_ttl_s is not None:  # the first call leases: what a lease on a frozen or failing shard answers
+            shard_id, keys = calls[0]
+            try:
+                out[0] = self.client(shard_id).lease(keys[: self.held], fingerprint, lease_ttl_s)
+            except ShardUnavailableError:
+                out[0] = None
+        return out
 
     def client(self, shard_id: str) -> Any:
         return FakeClient(self)
@@ -379,8 +387,12 @@ class KeyedShards(FakeShards):
     def prefix(self, keys: list[bytes]) -> int:
         return next((i for i, k in enumerate(keys) if bytes(k) not in self.held_keys), len(keys))
 
-    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float) -> list[Any]:
-        return [LookupResult(self.prefix(keys), self.prefix(keys), 0) for _, keys in calls]
+    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float, *, lease_ttl_s: float | None = None
+                    ) -> list[Any]:
+        out = [LookupResult(self.prefix(keys), self.prefix(keys), 0) for _, keys in calls]
+        if lease_ttl_s is not None:
+            out[0] = self.client(calls[0][0]).lease(calls[0][1], fingerprint, lease_ttl_s)
+        return out
 
     def client(self, shard_id: str) -> Any:
         shards = self
@@ -399,8 +411,10 @@ class KeyedShards(FakeShards):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_tensor_parallel_engine_finds_leases_and_loads_only_blocks_every_rank_holds(world: int) -> None:
     """A TP engine asks for every rank's key of each block (block-major): the shard holds all ranks of blocks 0-3
-    and only rank 0 of blocks 4-5 (the router's keys would say 6), so the hit is 4 blocks; the one lease pins
-    every rank's slots, and rank r's slots in the ``LoadSpec`` are those of its own keys."""
+    and only rank 0 of blocks 4-5 (the router's keys would say 6), so the hit is 4 blocks; the one lease (the
+    lookup's own, ``lease_on_lookup``) pins the longest held prefix of those keys — every rank's slots of blocks 0-3
+    and rank 0's of block 4, which no load uses — and rank r's slots in the ``LoadSpec`` are those of its own
+    keys."""
     from kvpool.keys import rank_key
 
     side, _ = make_side()
@@ -414,7 +428,8 @@ def test_a_tensor_parallel_engine_finds_leases_and_loads_only_blocks_every_rank_
     assert first_answer(side, req) == (4 * BS, True)
     spec = leased_load(side, req, 9, 4 * BS)
     assert spec.world == world and len(spec.blocks) == 4 * world and spec.states == []
-    assert fake.leased == [[bytes(rank_key(k, r, world)) for k in keys[:4] for r in range(world)]]
+    assert fake.leased == [[bytes(rank_key(k, r, world)) for k in keys[:4] for r in range(world)]
+                           + [bytes(rank_key(keys[4], 0, world))]]
     for rank in range(world):
         mine = spec.blocks[rank::world]
         assert [b.block_ids[0] for b in mine] == list(range(100, 104))
@@ -491,14 +506,14 @@ def test_a_lookup_lease_goes_out_with_the_allocation_step() -> None:
 
 
 def test_a_lookup_lease_offers_what_it_pinned_and_a_load_past_the_local_prefix_uses_its_tail() -> None:
-    """Blocks evicted between the lookup and its lease are not offered (the answer is what the lease pinned); when
-    vLLM's own cache has grown by the allocation, the load takes the lease's slots from there on."""
+    """Blocks the lease could not pin are not offered (the answer is what the lease pinned, not what the shard
+    lists); when vLLM's own cache has grown by the allocation, the load takes the lease's slots from there on."""
     side, fake = make_side(held=6)
     real_client = fake.client
 
     class ShortClient(FakeClient):
         def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
-            return super().lease(keys[:5], fingerprint, ttl_s)  # block 5 evicted since the lookup
+            return super().lease(keys[:5], fingerprint, ttl_s)  # block 5 failed its checksum as it was leased
 
     fake.client = lambda shard_id: ShortClient(fake)  # type: ignore[method-assign]
     req = request("a")
@@ -509,12 +524,12 @@ def test_a_lookup_lease_offers_what_it_pinned_and_a_load_past_the_local_prefix_u
     (spec,) = step(side).loads
     assert [b.block_ids[0] for b in spec.blocks] == [102, 103, 104]
     assert [b.remote.offset for b in spec.blocks] == [2 * 4096, 3 * 4096, 4 * 4096]
-    assert len(fake.lookups) == 1 and side.stats.leases_short == 1
+    assert len(fake.lookups) == 1 and side.stats.lookup_leases == 1
 
 
 def test_a_short_lookup_lease_on_the_local_shard_has_what_it_lost_saved_again() -> None:
-    """The book says blocks 0-3 were saved; the local shard's lookup still lists them, but its lease pins only 0-1
-    (it dropped 2-3 on promotion: a checksum failure, or evicted since): 2 blocks offered, 2-3 wanted again."""
+    """The book says blocks 0-3 were saved; the local shard still lists them, but the lookup's lease pins only 0-1
+    (it dropped 2-3 on promotion: a checksum failure): 2 blocks offered, 2-3 wanted again."""
     from kvpool.connector.meta import SaveReport
 
     side, fake = make_side(held=4)
@@ -532,9 +547,100 @@ def test_a_short_lookup_lease_on_the_local_shard_has_what_it_lost_saved_again() 
 
     fake.client = lambda shard_id: ShortClient(fake)  # type: ignore[method-assign]
     assert first_answer(side, request("b", blocks=4)) == (2 * BS, True)
-    assert side.stats.leases_short == 1
     assert [side.book.is_saved(k) for k in spec.keys] == [True, True, False, False]
     assert side.book.stats.lost == 2
+
+
+class TwoShards(FakeShards):
+    """Shards "s1" (the local one) and "s2", each holding the first ``held[shard]`` blocks of every chain. ``trips``
+    records the round trips: ("lookup_many", (shard, "lease" | "lookup"), ...), ("lease", shard), ("release",
+    shard, lease id)."""
+
+    def __init__(self, held: dict[str, int]) -> None:
+        super().__init__(held=0)
+        self.held_by = held
+        self.shard_ids = ["s1", "s2"]
+        self.trips: list[tuple[Any, ...]] = []
+
+    def lookup_many(self, calls: Any, fingerprint: str, deadline_s: float, *, lease_ttl_s: float | None = None
+                    ) -> list[Any]:
+        self.trips.append(("lookup_many", *((sid, "lease" if i == 0 and lease_ttl_s is not None else "lookup")
+                                           for i, (sid, _) in enumerate(calls))))
+        out: list[Any] = []
+        for i, (sid, keys) in enumerate(calls):
+            if i == 0 and lease_ttl_s is not None:
+                out.append(self._lease(sid, keys, lease_ttl_s))
+            else:
+                n = min(self.held_by[sid], len(keys))
+                out.append(LookupResult(n, n, 0))
+        return out
+
+    def _lease(self, shard_id: str, keys: list[bytes], ttl_s: float) -> LeaseReply:
+        n = min(self.held_by[shard_id], len(keys))
+        blocks = [LeasedBlock(bytes(k), i * 4096, 4096, 1, Tier.DRAM) for i, k in enumerate(keys[:n])]
+        lease_id = {"s1": 7, "s2": 8}[shard_id] if n else 0
+        return LeaseReply(shard_id, "e1", f"agent-{shard_id}", 0, Lease(lease_id, blocks, 0.0, ttl_s))
+
+    def client(self, shard_id: str) -> Any:
+        shards = self
+
+        class Client:
+            def lease(self, keys: list[bytes], fingerprint: str, ttl_s: float) -> LeaseReply:
+                shards.trips.append(("lease", shard_id))
+                return shards._lease(shard_id, keys, ttl_s)
+
+            def release(self, lease_id: int) -> bool:
+                shards.trips.append(("release", shard_id, lease_id))
+                return True
+
+        return Client()
+
+
+def test_a_lookup_leases_its_first_shard_in_its_own_round_trip() -> None:
+    """``lease_on_lookup``: the local shard (no plan) is leased in the round trip that looks up the others — one
+    round trip for a hit, its answer what the lease pinned; a miss there pins nothing and releases nothing."""
+    side, _ = make_side()
+    fake = TwoShards({"s1": 6, "s2": 3})
+    side.shards = fake  # type: ignore[assignment]
+    req = request("a")
+    assert first_answer(side, req) == (6 * BS, True)
+    assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))]
+    assert side._reqs["a"].found.lease.lease.lease_id == 7 and side.stats.lookup_leases == 1
+    spec = leased_load(side, req, 9, 6 * BS)
+    assert spec.agent_name == "agent-s1" and len(spec.blocks) == 6
+    assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))]  # the allocation used that lease
+
+    side, _ = make_side()
+    fake = TwoShards({"s1": 0, "s2": 0})
+    side.shards = fake  # type: ignore[assignment]
+    assert first_answer(side, request("b")) == (0, False)
+    side.calls.wait_idle(5.0)
+    assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))] and side.stats.lookup_leases == 0
+
+
+def test_the_routers_planned_shard_is_leased_first_and_a_shard_holding_more_wins() -> None:
+    """The router's planned shard (``PLAN_PARAM``) is the one leased in the lookup's round trip. When another shard
+    holds more, that one is leased in a second round trip and the first lease is released (not waited for)."""
+    from kvpool.connector.scheduler import PLAN_PARAM
+
+    side, _ = make_side()
+    fake = TwoShards({"s1": 2, "s2": 6})
+    side.shards = fake  # type: ignore[assignment]
+    planned = request("a")
+    planned.kv_transfer_params = {PLAN_PARAM: "s2"}
+    assert first_answer(side, planned) == (6 * BS, True)
+    assert fake.trips == [("lookup_many", ("s2", "lease"), ("s1", "lookup"))]
+    assert side._reqs["a"].found.shard_id == "s2" and side._reqs["a"].found.lease.lease.lease_id == 8
+
+    side, _ = make_side()
+    fake = TwoShards({"s1": 2, "s2": 6})
+    side.shards = fake  # type: ignore[assignment]
+    assert first_answer(side, request("b")) == (6 * BS, True)  # no plan: the local shard s1 first, s2 holds more
+    side.calls.wait_idle(5.0)
+    assert fake.trips[0] == ("lookup_many", ("s1", "lease"), ("s2", "lookup"))
+    assert sorted(fake.trips[1:]) == [("lease", "s2"), ("release", "s1", 7)]
+    found = side._reqs["b"].found
+    assert found.shard_id == "s2" and found.lease.lease.lease_id == 8 and found.local_prefix == 2
 
 
 def test_an_unused_lookup_lease_is_released() -> None:
