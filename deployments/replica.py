@@ -141,14 +141,20 @@ def connector_params(request: GenerateRequest, kv_shard_hint: str | None) -> dic
     request's ``kv_transfer_params``. With a policy that plans the pool loads (``pool_planned``): a RECOMPUTE loads
     nothing (no lookup to wait for; its blocks are still saved), a HOLDER names the HBM prefix it counted on (the
     connector looks the pool up only if vLLM's cache supplies less: the router's view was out of date). Otherwise
-    ``kv_shard_hint``, the pool shard to look up first (the plan's), if any."""
-    from kvpool.connector.scheduler import HOLDER_PARAM, NO_LOAD_PARAM, PLAN_PARAM
+    ``kv_shard_hint``, the pool shard to look up first (the plan's), if any; with a planned FETCH or SPLIT also the
+    block its plan ends at (the connector asks that shard alone while it holds that much)."""
+    from kvpool.connector.scheduler import HOLDER_PARAM, NO_LOAD_PARAM, PLAN_END_PARAM, PLAN_PARAM
 
     if request.pool_planned and request.action == "recompute":
         return {NO_LOAD_PARAM: True}
     if request.pool_planned and request.action == "holder":
         return {HOLDER_PARAM: max(request.planned_reuse_tokens, 0)}
-    return {PLAN_PARAM: kv_shard_hint} if kv_shard_hint else None
+    if not kv_shard_hint:
+        return None
+    plan = request.fetch_plan
+    if request.pool_planned and plan is not None:
+        return {PLAN_PARAM: kv_shard_hint, PLAN_END_PARAM: plan.end_block}
+    return {PLAN_PARAM: kv_shard_hint}
 
 
 def engine_sampling_params(raw: bytes, kv_transfer_params: dict[str, Any] | None = None) -> tuple[Any, bool]:

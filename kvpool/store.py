@@ -144,13 +144,16 @@ class LeasedBlock(msgspec.Struct, frozen=True, array_like=True):
 
 class Lease(msgspec.Struct, frozen=True):
     """Pinned blocks for keys[0:len(blocks)]; ``lease_id`` 0 = nothing leased (nothing to release). ``grant``:
-    presented with the reads of its blocks (module doc, 6)."""
+    presented with the reads of its blocks (module doc, 6). ``held``: the leading keys the store held when asked
+    (what ``lookup`` would have answered); fewer are pinned when a block fails its checksum, finds no DRAM slot to
+    be promoted into, or is still moving after ``move_wait_s``. -1: not known (a reply without it)."""
 
     lease_id: int
     blocks: list[LeasedBlock]
     expires_at: float  # on the shard's clock
     ttl_s: float
     grant: bytes = b""
+    held: int = -1
 
 
 class TierStats(msgspec.Struct, frozen=True):
@@ -466,6 +469,7 @@ class BlockStore:
             now = self._clock()
             self._sweep(now)
             prefix = self._prefix(keys, fingerprint)
+            held = len(prefix)
             deadline = time.monotonic() + self.config.move_wait_s
             while (cut := _first_moving_ssd(prefix)) is not None:
                 left = deadline - time.monotonic()
@@ -492,7 +496,7 @@ class BlockStore:
                 grant = self._new_grant(lease_id)
                 self._leases[lease_id] = _Leased(pinned, now + ttl_s, grant)
             self._publish_gauges()
-        return Lease(lease_id, blocks, now + ttl_s, ttl_s, grant)
+        return Lease(lease_id, blocks, now + ttl_s, ttl_s, grant, held)
 
     def _lease_prefix(self, prefix: list[_Entry]) -> list[LeasedBlock]:
         """The leased blocks of a pinned, servable prefix: its SSD blocks promoted, its DRAM blocks verified (both

@@ -5,13 +5,15 @@ vLLM's scheduler (one per engine, in the engine-core process) calls, through ``K
   used in every block key and pool call. Until then the pool is not consulted.
 - ``on_new_request(request)`` when a request arrives (we keep the ``Request`` for its tokens and salt).
 - ``get_num_new_matched_tokens(request, num_computed)`` possibly many times while the request waits. It never waits
-  on the pool: the lookup (one parallel round trip over the shards, no lease, side-effect free; the router's planned
-  shard ``kv_transfer_params[PLAN_PARAM]`` first) runs on the pool-call threads (``kvpool.connector.pool_calls``),
-  started when the request arrives; while it is in flight the answer is vLLM's "not yet" (``None``: the request is
-  skipped this step and asked again on the next). A finished lookup answers every later ask whose first block is at
-  or after the looked-up one (vLLM's own cache may have grown); one older than ``LOOKUP_REFRESH_S`` is refreshed in
-  the background while still answering. Nothing for a request flagged ``NO_LOAD_PARAM`` (the head of a SPLIT, which
-  the replica computes on purpose; a RECOMPUTE the router priced). A HOLDER the router planned carries its HBM
+  on the pool: the lookup (one parallel round trip over the shards; the router's planned shard
+  ``kv_transfer_params[PLAN_PARAM]`` first, and alone when it holds the plan's blocks up to ``PLAN_END_PARAM``: the
+  router's view of every shard chose it, so the other shards are asked only when it falls short) runs on the
+  pool-call threads (``kvpool.connector.pool_calls``), started when the request arrives; while it is in flight the
+  answer is vLLM's "not yet" (``None``: the request is skipped this step and asked again on the next). A finished
+  lookup answers every later ask whose first block is at or after the looked-up one (vLLM's own cache may have
+  grown); one older than ``LOOKUP_REFRESH_S`` is refreshed in the background while still answering. Nothing for a
+  request flagged ``NO_LOAD_PARAM`` (the head of a SPLIT, which the replica computes on purpose; a RECOMPUTE the
+  router priced). A HOLDER the router planned carries its HBM
   prefix in tokens (``HOLDER_PARAM``): when vLLM's own cache supplies that much, nothing is looked up (no step
   waits on the pool); when it supplies less — the router decided on a view of this engine's HBM that was out of
   date — the rest is looked up in the pool like any request's (counted in ``holders_short``) instead of recomputed.
@@ -96,6 +98,7 @@ from kvpool.shard.wire import LeaseReply
 log = logging.getLogger(__name__)
 
 PLAN_PARAM = "kvpool_shard"  # optional kv_transfer_params hint from the router: the shard to fetch from
+PLAN_END_PARAM = "kvpool_plan_end"  # with PLAN_PARAM: the block the router's plan expects that shard to supply up to
 NO_LOAD_PARAM = "kvpool_no_load"  # kv_transfer_params flag: compute this request, load nothing (a SPLIT's head)
 HOLDER_PARAM = "kvpool_holder_tokens"  # kv_transfer_params: the HBM prefix (tokens) a HOLDER decision counted on
 LOOKUP_REFRESH_S = 1.0  # a finished lookup older than this is refreshed (in the background) when asked again
@@ -358,10 +361,14 @@ class SchedulerSide:
     def _submit_lookup(self, r: _Req, request: Any, start: int, limit: int) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
         hinted = params.get(PLAN_PARAM) if isinstance(params, dict) else None
+        planned_end = params.get(PLAN_END_PARAM) if hinted and isinstance(params, dict) else None
+        if not isinstance(planned_end, int) or isinstance(planned_end, bool):
+            planned_end = None
         keys = list(self._keys(r)[start:limit])
         self.stats.lookups += 1
         r.lookups += 1
-        r.lookup = self.calls.submit(self._lookup, hinted, keys, start, limit)  # rank 0's keys (``_lookup``)
+        r.lookup = self.calls.submit(self._lookup, hinted, keys, start, limit,
+                                     planned_end)  # rank 0's keys (``_lookup``)
 
     def _harvest(self, r: _Req) -> None:
         """Take a finished lookup's result (on the scheduler's thread: the stats are only written here)."""
@@ -431,11 +438,14 @@ class SchedulerSide:
             order += [s for s in ids if s not in order]
         return order
 
-    def _lookup(self, hinted: str | None, keys: list[BlockKey], start: int, limit: int) -> _Found:
+    def _lookup(self, hinted: str | None, keys: list[BlockKey], start: int, limit: int,
+                planned_end: int | None = None) -> _Found:
         """One parallel lookup of ``keys`` (blocks [start, limit), rank 0's keys; every rank's are asked for) over the
         candidate shards: the best match. With ``lease_on_lookup`` (not hybrids) the first candidate — the router's
         planned shard, else the local one — is leased in the same round trip instead of looked up; a second round
-        trip only when another shard holds more (that one is leased, the first lease released)."""
+        trip only when another shard holds more (that one is leased, the first lease released). A plan that says
+        up to which block its shard supplies (``planned_end``) asks that shard alone first, and the others only when
+        its lease falls short of the plan."""
         assert self.fingerprint is not None
         t0 = time.perf_counter()
         shards = self._candidates(hinted)
@@ -443,8 +453,18 @@ class SchedulerSide:
         world = self.tp_world
         asked = rank_interleaved(keys, world)
         lease_first = self.cfg.lease_on_lookup and not self.plan.hybrid
-        results = self.shards.lookup_many([(s, asked) for s in shards], self.fingerprint, self.cfg.lookup_deadline_s,
-                                          lease_ttl_s=self.cfg.lease_ttl_s if lease_first else None)
+        ttl = self.cfg.lease_ttl_s if lease_first else None
+        deadline = self.cfg.lookup_deadline_s
+        if lease_first and planned_end is not None and len(shards) > 1 and shards[0] == hinted:
+            results = self.shards.lookup_many([(hinted, asked)], self.fingerprint, deadline, lease_ttl_s=ttl)
+            first = results[0]
+            pinned = len(first.lease.blocks) // world if isinstance(first, LeaseReply) else 0
+            if start + pinned < min(planned_end, limit):  # the plan's shard falls short: ask the others too
+                results += self.shards.lookup_many([(s, asked) for s in shards[1:]], self.fingerprint, deadline)
+            shards = shards[: len(results)]
+        else:
+            results = self.shards.lookup_many([(s, asked) for s in shards], self.fingerprint, deadline,
+                                              lease_ttl_s=ttl)
         best_shard, best, failures, local_prefix, first_lease = "", 0, 0, None, None
         for sid, res in zip(shards, results, strict=True):
             if res is None:
@@ -453,6 +473,13 @@ class SchedulerSide:
             if isinstance(res, LeaseReply):
                 first_lease = res
                 held = min(len(res.lease.blocks) // world, limit - start)  # blocks every rank's lease pinned
+                listed = min(res.lease.held // world, limit - start) if res.lease.held >= 0 else held
+                if held < listed:  # the shard held more than it could pin (a checksum, no DRAM to promote into)
+                    with self._stats_lock:
+                        if held:
+                            self.stats.leases_short += 1
+                        else:
+                            self.stats.lookup_leases_empty += 1
             else:
                 held = res.prefix // world  # blocks every rank holds
             if sid == local:

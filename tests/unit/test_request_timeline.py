@@ -121,17 +121,20 @@ def test_a_policy_that_prices_the_pool_plans_its_loads(policy: str, planned: boo
 def test_a_planned_holder_tells_the_connector_the_prefix_it_counted_on() -> None:
     """A HOLDER of a policy that plans the pool loads names its HBM prefix (the connector looks the pool up only
     if vLLM's cache supplies less); the same HOLDER of a policy that does not plan the loads is looked up as usual,
-    and a FETCH hints at its shard."""
+    and a FETCH hints at its shard (a planned one also at the block its plan ends at)."""
     from deployments.replica import connector_params
-    from kvpool.connector.scheduler import HOLDER_PARAM, PLAN_PARAM
+    from kvpool.connector.scheduler import HOLDER_PARAM, PLAN_END_PARAM, PLAN_PARAM
+    from router.wire import FetchPlanMsg
 
     def request(action: str, planned: bool) -> GenerateRequest:
+        plan = FetchPlanMsg("shard-b", "node-b", "dram", 0, 4) if action == "fetch" else None
         return GenerateRequest(request_id="r", prompt_token_ids=[1] * 700, sampling_params=b"", action=action,
-                               pool_planned=planned, planned_reuse_tokens=512)
+                               pool_planned=planned, planned_reuse_tokens=512, fetch_plan=plan)
 
     assert connector_params(request("holder", True), None) == {HOLDER_PARAM: 512}
     assert connector_params(request("holder", False), None) is None
-    assert connector_params(request("fetch", True), "shard-b") == {PLAN_PARAM: "shard-b"}
+    assert connector_params(request("fetch", True), "shard-b") == {PLAN_PARAM: "shard-b", PLAN_END_PARAM: 4}
+    assert connector_params(request("fetch", False), "shard-b") == {PLAN_PARAM: "shard-b"}
 
 
 def test_the_event_loop_probe_measures_how_long_the_loop_was_blocked() -> None:

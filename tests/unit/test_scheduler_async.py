@@ -556,9 +556,10 @@ class TwoShards(FakeShards):
     records the round trips: ("lookup_many", (shard, "lease" | "lookup"), ...), ("lease", shard), ("release",
     shard, lease id)."""
 
-    def __init__(self, held: dict[str, int]) -> None:
+    def __init__(self, held: dict[str, int], pinnable: dict[str, int] | None = None) -> None:
         super().__init__(held=0)
         self.held_by = held
+        self.pinnable = pinnable or {}  # a lease pins at most this many of what the shard holds
         self.shard_ids = ["s1", "s2"]
         self.trips: list[tuple[Any, ...]] = []
 
@@ -576,10 +577,11 @@ class TwoShards(FakeShards):
         return out
 
     def _lease(self, shard_id: str, keys: list[bytes], ttl_s: float) -> LeaseReply:
-        n = min(self.held_by[shard_id], len(keys))
+        held = min(self.held_by[shard_id], len(keys))
+        n = min(held, self.pinnable.get(shard_id, held))
         blocks = [LeasedBlock(bytes(k), i * 4096, 4096, 1, Tier.DRAM) for i, k in enumerate(keys[:n])]
         lease_id = {"s1": 7, "s2": 8}[shard_id] if n else 0
-        return LeaseReply(shard_id, "e1", f"agent-{shard_id}", 0, Lease(lease_id, blocks, 0.0, ttl_s))
+        return LeaseReply(shard_id, "e1", f"agent-{shard_id}", 0, Lease(lease_id, blocks, 0.0, ttl_s, b"", held))
 
     def client(self, shard_id: str) -> Any:
         shards = self
@@ -641,6 +643,44 @@ def test_the_routers_planned_shard_is_leased_first_and_a_shard_holding_more_wins
     assert sorted(fake.trips[1:]) == [("lease", "s2"), ("release", "s1", 7)]
     found = side._reqs["b"].found
     assert found.shard_id == "s2" and found.lease.lease.lease_id == 8 and found.local_prefix == 2
+
+
+def test_a_planned_fetch_asks_its_shard_alone_while_it_holds_the_plan() -> None:
+    """A plan that names its shard and its end block (``PLAN_END_PARAM``): that shard alone is leased, one call of
+    one round trip, no other shard asked. When it holds less than the plan (the router's view was out of date),
+    the others are looked up after it, and one holding more is leased instead."""
+    from kvpool.connector.scheduler import PLAN_END_PARAM, PLAN_PARAM
+
+    side, _ = make_side()
+    fake = TwoShards({"s1": 6, "s2": 6})
+    side.shards = fake  # type: ignore[assignment]
+    req = request("a")
+    req.kv_transfer_params = {PLAN_PARAM: "s2", PLAN_END_PARAM: 6}
+    assert first_answer(side, req) == (6 * BS, True)
+    assert fake.trips == [("lookup_many", ("s2", "lease"))]
+    assert side._reqs["a"].found.lease.lease.lease_id == 8 and side._reqs["a"].found.local_prefix is None
+
+    side, _ = make_side()
+    fake = TwoShards({"s1": 6, "s2": 4})
+    side.shards = fake  # type: ignore[assignment]
+    req = request("b")
+    req.kv_transfer_params = {PLAN_PARAM: "s2", PLAN_END_PARAM: 6}
+    assert first_answer(side, req) == (6 * BS, True)
+    side.calls.wait_idle(5.0)
+    assert fake.trips[:2] == [("lookup_many", ("s2", "lease")), ("lookup_many", ("s1", "lookup"))]
+    assert sorted(fake.trips[2:]) == [("lease", "s1"), ("release", "s2", 8)]
+    assert side._reqs["b"].found.shard_id == "s1" and side._reqs["b"].found.local_prefix == 6
+
+
+@pytest.mark.parametrize("pinnable", [0, 3])
+def test_a_lookup_lease_that_pins_less_than_its_shard_holds_offers_what_it_pinned_and_says_so(pinnable: int) -> None:
+    """The shard held 6 blocks but its lease pinned fewer (no DRAM to promote SSD blocks into, a checksum): only
+    the pinned blocks are offered, counted as a short lease (some pinned) or an empty one (none)."""
+    side, _ = make_side()
+    fake = TwoShards({"s1": 6, "s2": 0}, pinnable={"s1": pinnable})
+    side.shards = fake  # type: ignore[assignment]
+    assert first_answer(side, request("a")) == (pinnable * BS, pinnable > 0)
+    assert (side.stats.leases_short, side.stats.lookup_leases_empty) == ((1, 0) if pinnable else (0, 1))
 
 
 def test_an_unused_lookup_lease_is_released() -> None:

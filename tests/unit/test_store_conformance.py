@@ -181,6 +181,7 @@ def test_checksum_verified_on_read_corruption_is_a_miss(tier: TierPlacement, mak
     before = store.metrics.value("kvstack_pool_checksum_failures_total", tier=tier.tier.value)
     lease = store.lease(keys, FP, 10.0)
     assert [b.key for b in lease.blocks] == keys[:2]  # served up to the bad block, never the bad bytes
+    assert lease.held == 4  # the store held all 4 when asked: the lease says it pinned fewer than that
     data = [bytes(store.arena.buffer[b.offset : b.offset + b.length]) for b in lease.blocks]
     assert data == [payload(0), payload(1)]
     after = store.metrics.value("kvstack_pool_checksum_failures_total", tier=tier.tier.value)
@@ -296,7 +297,8 @@ def test_prefix_stops_at_the_first_missing_block(tier: TierPlacement, make_store
     keys = keys_for(4)
     tier.place(store, [keys[0], keys[1], keys[3]], [0, 1, 3])
     assert store.lookup(keys, FP).prefix == 2
-    assert len(store.lease(keys, FP, 5.0).blocks) == 2
+    lease = store.lease(keys, FP, 5.0)
+    assert len(lease.blocks) == 2 and lease.held == 2
 
 
 def test_duplicate_commit_keeps_the_first_copy(tier: TierPlacement, make_store) -> None:
