@@ -14,7 +14,9 @@ Who calls what:
 Every call carries the cluster secret's proof (``kvpool.secret.call_proof``: the shard refuses a call without it),
 as its last argument (a commit's, bound to its reservation and the shard's epoch, inside its request). Every call
 has a deadline; a shard that does not answer within it raises ``ShardUnavailableError``, a dead actor
-``ShardDeadError``; a reply of another wire version ``WireVersionError``. An exception raised inside the actor
+``ShardDeadError``; a reply of another wire version ``WireVersionError``. A lease answered after its caller's
+deadline pins blocks nobody reads: it is released when it arrives (``release_late_lease``, a daemon thread that
+waits at most ``LATE_LEASE_WAIT_S``; the lease's ttl ends it otherwise). An exception raised inside the actor
 (e.g. an invalid request it refused) propagates as Ray's ``RayTaskError``.
 """
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +66,10 @@ from kvpool.shard.wire import (
 )
 from kvpool.store import CommitResult, EntryInfo, StoreStats
 
+log = logging.getLogger(__name__)
+
 PULL_REPLY_GRACE_S = 2.0  # a pull client waits deadline_s + this for the reply (queueing, the lease release)
+LATE_LEASE_WAIT_S = 30.0  # a lease answered after its caller's deadline is released if it arrives within this
 
 
 def proof_for(op: str) -> bytes:
@@ -91,6 +98,24 @@ async def _aget(ref: Any, deadline_s: float, what: str) -> bytes:
         raise ShardUnavailableError(f"{what}: no answer within {deadline_s}s") from exc
     except ray.exceptions.RayActorError as exc:
         raise ShardDeadError(f"{what}: shard actor is dead ({exc})") from exc
+
+
+def release_late_lease(client: ShardClient, ref: Any) -> threading.Thread:
+    """Release the lease ``ref`` answers when it arrives (its caller gave up waiting: nobody reads its blocks), on
+    a daemon thread that waits at most ``LATE_LEASE_WAIT_S``. No answer, a dead shard, nothing pinned: nothing to
+    release (the lease's ttl ends what is left)."""
+
+    def run() -> None:
+        try:
+            reply = decode(ray.get(ref, timeout=LATE_LEASE_WAIT_S), LeaseReply)
+            if reply.lease.lease_id:
+                client.release_nowait(reply.lease.lease_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the ttl ends the lease
+            log.debug("shard %s: late lease not released: %s", client.shard_id, exc)
+
+    thread = threading.Thread(target=run, name=f"kvpool-late-lease-{client.shard_id}", daemon=True)
+    thread.start()
+    return thread
 
 
 def pull_request(
@@ -145,7 +170,15 @@ class ShardClient:
 
     def lease(self, keys: Sequence[bytes], fingerprint: str, ttl_s: float, *, deadline_s: float | None = None
               ) -> LeaseReply:
-        raw = self._call("lease", encode(LeaseRequest(list(keys), fingerprint, ttl_s)), deadline_s=deadline_s)
+        """A lease answered after ``deadline_s`` is released when it arrives (``release_late_lease``)."""
+        ref = self.send_lease(keys, fingerprint, ttl_s)
+        try:
+            raw = _get(ref, self.deadline_s if deadline_s is None else deadline_s, f"shard {self.shard_id}.lease")
+        except ShardDeadError:
+            raise
+        except ShardUnavailableError:
+            release_late_lease(self, ref)
+            raise
         return decode(raw, LeaseReply)
 
     def release(self, lease_id: int, *, deadline_s: float | None = None) -> bool:
@@ -214,7 +247,7 @@ def lookup_many(
     ``LookupReply``; None when the shard did not answer in time; the exception when the call failed (a dead actor,
     an error in the shard, a reply of another wire version). With ``lease_ttl_s`` the first call is a lease of that
     ttl instead (the shard pins the longest prefix it holds: a lookup that keeps what it found), its entry the
-    ``LeaseReply``; a lease answered after the deadline is not released here (its ttl ends it)."""
+    ``LeaseReply``; a lease answered after the deadline is released when it arrives (``release_late_lease``)."""
     refs = [client.send_lease(keys, fingerprint, lease_ttl_s) if i == 0 and lease_ttl_s is not None
             else client.send_lookup(keys, fingerprint) for i, (client, keys) in enumerate(calls)]
     ready: set[Any] = set()
@@ -224,6 +257,8 @@ def lookup_many(
     out: list[LookupReply | LeaseReply | Exception | None] = []
     for i, ref in enumerate(refs):
         if ref not in ready:
+            if i == 0 and lease_ttl_s is not None:
+                release_late_lease(calls[0][0], ref)
             out.append(None)
             continue
         kind: type[LookupReply] | type[LeaseReply] = LeaseReply if i == 0 and lease_ttl_s is not None else LookupReply

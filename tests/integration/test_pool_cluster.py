@@ -27,8 +27,17 @@ from kvpool.checksum import block_checksum
 from kvpool.keys import Namespace, block_keys
 from kvpool.shard.client import ShardClient, ShardHandle, lookup_many
 from kvpool.shard.placement import PoolNode, build_pool, stop_shards
-from kvpool.shard.wire import LeaseReply, LookupReply, ShardConfig, ShardUnavailableError
-from kvpool.store import StoreConfig
+from kvpool.shard.wire import (
+    AckReply,
+    LeaseReply,
+    LookupReply,
+    ReleaseRequest,
+    ShardConfig,
+    ShardUnavailableError,
+    decode,
+    encode,
+)
+from kvpool.store import Lease, StoreConfig
 from kvpool.transfer import make_endpoint
 from kvpool.transfer.nixl import NixlOptions
 from kvpool.transfer.tcp import TcpOptions
@@ -423,6 +432,43 @@ def test_one_round_trip_leases_the_first_shard_and_looks_up_the_others(pool: Poo
     assert a.release(leased.lease.lease_id) and a.stats().leases == before
     (missed,) = lookup_many([(c, keys)], FP, DEADLINE_S, lease_ttl_s=30.0)
     assert isinstance(missed, LeaseReply) and missed.lease.lease_id == 0 and not missed.lease.blocks
+
+
+@ray.remote(num_cpus=0)
+class SlowLeaseShard:
+    """A stalled shard's neighbour: it answers every lease (id 42, nothing in it but the id) after ``delay_s`` and
+    records the releases it gets."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.releases: list[int] = []
+
+    def lease(self, raw: bytes, proof: bytes = b"") -> bytes:
+        time.sleep(self.delay_s)
+        return encode(LeaseReply("slow", "e1", "agent-slow", 0, Lease(42, [], 0.0, 30.0, b"", 1)))
+
+    def release(self, raw: bytes, proof: bytes = b"") -> bytes:
+        self.releases.append(decode(raw, ReleaseRequest).lease_id)
+        return encode(AckReply("slow", "e1", True))
+
+    def released(self) -> list[int]:
+        return self.releases
+
+
+def test_a_lease_answered_after_its_deadline_is_released_when_it_arrives(ray_cluster: RayCluster) -> None:
+    """A lease whose caller gave up (its deadline passed: a plain lease, or the lease of a lookup's round trip)
+    pins blocks nobody reads: the client releases it when the late answer comes, not at the end of its ttl."""
+    shard = SlowLeaseShard.remote(1.0)
+    client = ShardClient(shard, "slow", deadline_s=0.2)
+    key = keys_for(1, "late")
+    with pytest.raises(ShardUnavailableError):
+        client.lease(key, FP, 30.0)
+    assert lookup_many([(client, key)], FP, 0.2, lease_ttl_s=30.0) == [None]
+    deadline = time.monotonic() + 20.0
+    while ray.get(shard.released.remote(), timeout=30) != [42, 42] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(shard.released.remote(), timeout=30) == [42, 42]
+    ray.kill(shard)
 
 
 def test_lease_expires_on_the_shard_sweeper(pool: Pool, writer: Any) -> None:
