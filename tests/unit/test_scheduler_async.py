@@ -598,12 +598,26 @@ class TwoShards(FakeShards):
         return Client()
 
 
+def two_shard_side(held: dict[str, int], pinnable: dict[str, int] | None = None) -> tuple[SchedulerSide, TwoShards]:
+    side, _ = make_side()
+    fake = TwoShards(held, pinnable)
+    side.shards = fake  # type: ignore[assignment]
+    return side, fake
+
+
+def planned(rid: str, shard: str, end: int | None = None) -> Any:
+    """A request whose router plan names ``shard`` (and, with ``end``, the block the plan ends at)."""
+    from kvpool.connector.scheduler import PLAN_END_PARAM, PLAN_PARAM
+
+    req = request(rid)
+    req.kv_transfer_params = {PLAN_PARAM: shard} if end is None else {PLAN_PARAM: shard, PLAN_END_PARAM: end}
+    return req
+
+
 def test_a_lookup_leases_its_first_shard_in_its_own_round_trip() -> None:
     """``lease_on_lookup``: the local shard (no plan) is leased in the round trip that looks up the others — one
     round trip for a hit, its answer what the lease pinned; a miss there pins nothing and releases nothing."""
-    side, _ = make_side()
-    fake = TwoShards({"s1": 6, "s2": 3})
-    side.shards = fake  # type: ignore[assignment]
+    side, fake = two_shard_side({"s1": 6, "s2": 3})
     req = request("a")
     assert first_answer(side, req) == (6 * BS, True)
     assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))]
@@ -612,9 +626,7 @@ def test_a_lookup_leases_its_first_shard_in_its_own_round_trip() -> None:
     assert spec.agent_name == "agent-s1" and len(spec.blocks) == 6
     assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))]  # the allocation used that lease
 
-    side, _ = make_side()
-    fake = TwoShards({"s1": 0, "s2": 0})
-    side.shards = fake  # type: ignore[assignment]
+    side, fake = two_shard_side({"s1": 0, "s2": 0})
     assert first_answer(side, request("b")) == (0, False)
     side.calls.wait_idle(5.0)
     assert fake.trips == [("lookup_many", ("s1", "lease"), ("s2", "lookup"))] and side.stats.lookup_leases == 0
@@ -623,20 +635,12 @@ def test_a_lookup_leases_its_first_shard_in_its_own_round_trip() -> None:
 def test_the_routers_planned_shard_is_leased_first_and_a_shard_holding_more_wins() -> None:
     """The router's planned shard (``PLAN_PARAM``) is the one leased in the lookup's round trip. When another shard
     holds more, that one is leased in a second round trip and the first lease is released (not waited for)."""
-    from kvpool.connector.scheduler import PLAN_PARAM
-
-    side, _ = make_side()
-    fake = TwoShards({"s1": 2, "s2": 6})
-    side.shards = fake  # type: ignore[assignment]
-    planned = request("a")
-    planned.kv_transfer_params = {PLAN_PARAM: "s2"}
-    assert first_answer(side, planned) == (6 * BS, True)
+    side, fake = two_shard_side({"s1": 2, "s2": 6})
+    assert first_answer(side, planned("a", "s2")) == (6 * BS, True)
     assert fake.trips == [("lookup_many", ("s2", "lease"), ("s1", "lookup"))]
     assert side._reqs["a"].found.shard_id == "s2" and side._reqs["a"].found.lease.lease.lease_id == 8
 
-    side, _ = make_side()
-    fake = TwoShards({"s1": 2, "s2": 6})
-    side.shards = fake  # type: ignore[assignment]
+    side, fake = two_shard_side({"s1": 2, "s2": 6})
     assert first_answer(side, request("b")) == (6 * BS, True)  # no plan: the local shard s1 first, s2 holds more
     side.calls.wait_idle(5.0)
     assert fake.trips[0] == ("lookup_many", ("s1", "lease"), ("s2", "lookup"))
@@ -649,23 +653,13 @@ def test_a_planned_fetch_asks_its_shard_alone_while_it_holds_the_plan() -> None:
     """A plan that names its shard and its end block (``PLAN_END_PARAM``): that shard alone is leased, one call of
     one round trip, no other shard asked. When it holds less than the plan (the router's view was out of date),
     the others are looked up after it, and one holding more is leased instead."""
-    from kvpool.connector.scheduler import PLAN_END_PARAM, PLAN_PARAM
-
-    side, _ = make_side()
-    fake = TwoShards({"s1": 6, "s2": 6})
-    side.shards = fake  # type: ignore[assignment]
-    req = request("a")
-    req.kv_transfer_params = {PLAN_PARAM: "s2", PLAN_END_PARAM: 6}
-    assert first_answer(side, req) == (6 * BS, True)
+    side, fake = two_shard_side({"s1": 6, "s2": 6})
+    assert first_answer(side, planned("a", "s2", 6)) == (6 * BS, True)
     assert fake.trips == [("lookup_many", ("s2", "lease"))]
     assert side._reqs["a"].found.lease.lease.lease_id == 8 and side._reqs["a"].found.local_prefix is None
 
-    side, _ = make_side()
-    fake = TwoShards({"s1": 6, "s2": 4})
-    side.shards = fake  # type: ignore[assignment]
-    req = request("b")
-    req.kv_transfer_params = {PLAN_PARAM: "s2", PLAN_END_PARAM: 6}
-    assert first_answer(side, req) == (6 * BS, True)
+    side, fake = two_shard_side({"s1": 6, "s2": 4})
+    assert first_answer(side, planned("b", "s2", 6)) == (6 * BS, True)
     side.calls.wait_idle(5.0)
     assert fake.trips[:2] == [("lookup_many", ("s2", "lease")), ("lookup_many", ("s1", "lookup"))]
     assert sorted(fake.trips[2:]) == [("lease", "s1"), ("release", "s2", 8)]
@@ -676,9 +670,7 @@ def test_a_planned_fetch_asks_its_shard_alone_while_it_holds_the_plan() -> None:
 def test_a_lookup_lease_that_pins_less_than_its_shard_holds_offers_what_it_pinned_and_says_so(pinnable: int) -> None:
     """The shard held 6 blocks but its lease pinned fewer (no DRAM to promote SSD blocks into, a checksum): only
     the pinned blocks are offered, counted as a short lease (some pinned) or an empty one (none)."""
-    side, _ = make_side()
-    fake = TwoShards({"s1": 6, "s2": 0}, pinnable={"s1": pinnable})
-    side.shards = fake  # type: ignore[assignment]
+    side, fake = two_shard_side({"s1": 6, "s2": 0}, {"s1": pinnable})
     assert first_answer(side, request("a")) == (pinnable * BS, pinnable > 0)
     assert (side.stats.leases_short, side.stats.lookup_leases_empty) == ((1, 0) if pinnable else (0, 1))
 
