@@ -474,12 +474,7 @@ class SchedulerSide:
                 first_lease = res
                 held = min(len(res.lease.blocks) // world, limit - start)  # blocks every rank's lease pinned
                 listed = min(res.lease.held // world, limit - start) if res.lease.held >= 0 else held
-                if held < listed:  # the shard held more than it could pin (a checksum, no DRAM to promote into)
-                    with self._stats_lock:
-                        if held:
-                            self.stats.leases_short += 1
-                        else:
-                            self.stats.lookup_leases_empty += 1
+                self._count_pinned(held, listed)  # the shard may hold more than it pins (a checksum, no DRAM)
             else:
                 held = res.prefix // world  # blocks every rank holds
             if sid == local:
@@ -515,18 +510,23 @@ class SchedulerSide:
         if reply is None:
             return None, lease_s, end
         usable = min(len(reply.lease.blocks) // world, end - start)
-        if usable < end - start:
-            with self._stats_lock:
-                self.stats.leases_short += 1
+        self._count_pinned(usable, end - start)
         if usable == 0:
-            with self._stats_lock:
-                self.stats.lookup_leases_empty += 1
             if reply.lease.lease_id:
                 self._release_call("", _Lease(shard_id, reply.lease.lease_id, -1), "lookup lease empty", False)
             return None, lease_s, start
         with self._stats_lock:
             self.stats.lookup_leases += 1
         return reply, lease_s, start + usable
+
+    def _count_pinned(self, pinned: int, found: int) -> None:
+        """A lookup's lease pinned ``pinned`` of the ``found`` blocks the shard held: short when fewer, and empty
+        as well when none (``leases_short``, ``lookup_leases_empty``)."""
+        if pinned >= found:
+            return
+        with self._stats_lock:
+            self.stats.leases_short += 1
+            self.stats.lookup_leases_empty += int(pinned == 0)
 
     def _state_boundary(self, shard_id: str, keys: list[BlockKey], start: int, end: int) -> int:
         """Furthest boundary in (start, end] whose state snapshot the shard holds; ``start`` if none. ``keys``

@@ -248,7 +248,8 @@ def lookup_many(
     an error in the shard, a reply of another wire version). With ``lease_ttl_s`` the first call is a lease of that
     ttl instead (the shard pins the longest prefix it holds: a lookup that keeps what it found), its entry the
     ``LeaseReply``; a lease answered after the deadline is released when it arrives (``release_late_lease``)."""
-    refs = [client.send_lease(keys, fingerprint, lease_ttl_s) if i == 0 and lease_ttl_s is not None
+    leases = lease_ttl_s is not None  # the first call
+    refs = [client.send_lease(keys, fingerprint, lease_ttl_s) if i == 0 and leases
             else client.send_lookup(keys, fingerprint) for i, (client, keys) in enumerate(calls)]
     ready: set[Any] = set()
     if refs:
@@ -257,11 +258,11 @@ def lookup_many(
     out: list[LookupReply | LeaseReply | Exception | None] = []
     for i, ref in enumerate(refs):
         if ref not in ready:
-            if i == 0 and lease_ttl_s is not None:
+            if i == 0 and leases:
                 release_late_lease(calls[0][0], ref)
             out.append(None)
             continue
-        kind: type[LookupReply] | type[LeaseReply] = LeaseReply if i == 0 and lease_ttl_s is not None else LookupReply
+        kind: type[LookupReply] | type[LeaseReply] = LeaseReply if i == 0 and leases else LookupReply
         try:
             out.append(decode(ray.get(ref, timeout=0), kind))
         except Exception as exc:  # noqa: BLE001 - the caller decides (a miss, never data)
