@@ -16,9 +16,10 @@ spread or pinned. The environment is one dict (``LOCAL_CLUSTER_ENV``): ``start``
 - Serve's 5 s proxy readiness check flakes on a loaded 2-core box → ``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``;
 - shut down with ``Cluster.shutdown()`` (own processes only), never ``ray stop`` (would kill other clusters);
 - Ray gives a new node's raylet a fixed 30 s to register with the GCS ("The current node timed out during startup"),
-  which a loaded 2-core box can miss (seen in CI) → a start that fails so is torn down, the processes it left are
-  ended (found by this cluster's private temp dir in their command lines), and it is tried again from scratch, at
-  most ``start_attempts`` times.
+  which a loaded 2-core box can miss (seen in CI); and a port picked free can be taken by another process before
+  the GCS binds it ("Failed to start GCS", seen in CI) → a start that fails so is torn down, the processes it left
+  are ended (found by this cluster's private temp dir in their command lines), and it is tried again from scratch
+  with new ports, at most ``start_attempts`` times.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ def _reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
+    """A TCP port no address of this host has bound: picked on the wildcard address, because Ray's servers bind
+    every interface, so a port free on the node's own IP but held on another loopback address is not free for them."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind(("0.0.0.0", 0))
         return int(s.getsockname()[1])
 
 
@@ -146,11 +149,11 @@ class LocalCluster:
                 self._start_nodes()
                 break
             except Exception as exc:
-                if not is_node_startup_timeout(exc) or attempt == self.start_attempts:
+                if not is_transient_start_failure(exc) or attempt == self.start_attempts:
                     self.shutdown()
                     raise
-                logger.warning("local cluster: a node missed Ray's startup deadline (attempt %d of %d); starting "
-                               "again", attempt, self.start_attempts)
+                logger.warning("local cluster: a node failed to start (%s; attempt %d of %d); starting again with "
+                               "new ports", str(exc).splitlines()[0][:200], attempt, self.start_attempts)
                 self._tear_down_nodes()
         ray.init(address=self._cluster.address, namespace=self.namespace, logging_level=self.logging_level,
                  log_to_driver=self.log_to_driver)
@@ -166,14 +169,14 @@ class LocalCluster:
         self._cluster = Cluster(initialize_head=False, connect=False)
         self._cluster.add_node(
             node_ip_address=head_ip,
-            gcs_server_port=free_port(head_ip),
+            gcs_server_port=free_port(),
             num_cpus=self.head_cpus,
             resources={"kvstack_head": 1},
             object_store_memory=self.object_store_bytes,
             include_dashboard=False,
             temp_dir=ray_dir,
-            metrics_export_port=free_port(head_ip),
-            ray_client_server_port=free_port(head_ip),
+            metrics_export_port=free_port(),
+            ray_client_server_port=free_port(),
         )
         self.nodes = [NodeInfo(head_ip, self._cluster.head_node.node_id, "kvstack_head", self.head_cpus, "head")]
         for _ in range(self.workers):
@@ -207,7 +210,7 @@ class LocalCluster:
             num_cpus=self.cpus_per_worker,
             resources=resources,
             object_store_memory=self.object_store_bytes,
-            metrics_export_port=free_port(ip),
+            metrics_export_port=free_port(),
         )
         info = NodeInfo(ip, node.node_id, f"kvstack_node_{i}", self.cpus_per_worker, name)
         self.nodes.append(info)
@@ -241,9 +244,11 @@ class LocalCluster:
             self._saved_env = {}
 
 
-def is_node_startup_timeout(exc: BaseException) -> bool:
-    """Ray's own words when a node's raylet did not register with the GCS within its fixed 30 s."""
-    return "timed out during startup" in str(exc)
+def is_transient_start_failure(exc: BaseException) -> bool:
+    """Ray's own words for the two start failures a fresh attempt cures: a node's raylet that did not register with
+    the GCS within Ray's fixed 30 s, and a GCS whose port (picked free) another process bound first."""
+    text = str(exc)
+    return "timed out during startup" in text or "Failed to start GCS" in text
 
 
 def end_processes_of(tmp: str, grace_s: float = 10.0) -> list[int]:

@@ -1,7 +1,8 @@
-"""``LocalCluster.start`` survives Ray's fixed 30 s node-startup deadline (seen in CI on a loaded 2-core box): such a
-failure is torn down — the processes it left are ended by the cluster's private temp dir — and the start is tried
-again; any other failure is raised at once. Ray itself is the neighbour here (``_start_nodes`` and ``ray.init`` are
-replaced); ``end_processes_of`` runs on real processes."""
+"""``LocalCluster.start`` survives Ray's fixed 30 s node-startup deadline (seen in CI on a loaded 2-core box) and a GCS
+port taken between picking and binding it (seen in CI): such a failure is torn down — the processes it left are
+ended by the cluster's private temp dir — and the start is tried again; any other failure is raised at once. Ray
+itself is the neighbour here (``_start_nodes`` and ``ray.init`` are replaced); ``end_processes_of`` runs on real
+processes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from cluster import local_cluster as lc
 
 STARTUP_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the "
                             "raylet failed to startup or the GCS has become overloaded.")
+GCS_PORT_TAKEN = RuntimeError("Failed to start GCS.  Last 1 lines of error files:\n(gcs_server) grpc_server.cc:134: "
+                              "Check failed: server_ Failed to start the grpc server. The specified port is 37199.")
 
 
 class _FakeCluster:
@@ -53,6 +56,15 @@ def test_a_node_that_misses_rays_startup_deadline_is_torn_down_and_started_again
     try:
         assert seen["starts"] == 2 and seen["init"] == 1
         assert seen["swept"] == [cluster._tmp]  # the failed start's leftovers, found by the cluster's own temp dir
+    finally:
+        cluster.shutdown()
+
+
+def test_a_gcs_whose_port_was_taken_is_started_again(monkeypatch) -> None:
+    cluster, seen = _cluster_whose_nodes_fail(monkeypatch, [GCS_PORT_TAKEN])
+    cluster.start()
+    try:
+        assert seen["starts"] == 2 and seen["init"] == 1 and seen["swept"] == [cluster._tmp]
     finally:
         cluster.shutdown()
 
@@ -101,3 +113,4 @@ def test_a_local_cluster_gets_rays_token_authentication_unless_the_caller_chose_
     chosen = {"RAY_AUTH_MODE": "disabled"}
     assert lc.ensure_ray_token(chosen) == "disabled" and "RAY_AUTH_TOKEN" not in chosen
     assert "RAY_AUTH_MODE" not in lc.LOCAL_CLUSTER_ENV
+
