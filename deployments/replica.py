@@ -3,7 +3,8 @@
 Who calls what:
 - ``router.ingress.OpenAIIngress`` calls ``generate(GenerateRequest)`` through a Serve handle (streaming) after
   ``deployments.request_router.DecisionRequestRouter`` picked this replica for it; it receives ``GenerateChunk``s.
-- The replica publishes its routing stats (running/waiting requests, KV use, the block keys of prefixes it has
+- The replica publishes its routing stats (running/waiting requests, KV use (``deployments.kv_occupancy``: what its
+  in-flight requests hold of the engine's KV cache and when they free it), the block keys of prefixes it has
   computed — its HBM prefix cache as the router models it) to the ``router.hub.ClusterViewHub`` actor every
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
 - With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
@@ -52,6 +53,7 @@ from deployments.cpu_placement import claim_cores, engine_binding
 from deployments.engine_probe import probe_engine
 from deployments.engine_settings import EngineSettings
 from deployments.engine_worker import BINDING_METHOD, WORKER_EXTENSION
+from deployments.kv_occupancy import KvOccupancyTracker
 from router.hub import (
     DEFAULT_HUB_NAME,
     CpuBinding,
@@ -270,6 +272,8 @@ class VLLMReplica:
         self.profile = await probe_engine(self.engine, self.settings.max_model_len, self.settings.startup_probe)
         self.running = 0
         self.waiting = 0
+        # What the in-flight requests hold of the engine's KV cache and when they free it (ReplicaReport.kv)
+        self.kv_occupancy = KvOccupancyTracker(self.settings.block_size, self._kv_capacity_tokens())
         # Prefill work of the waiting requests (before their first token): Σ (P − c), Σ (P² − c²) (ReplicaReport)
         self.waiting_tokens = 0
         self.waiting_tokens_sq = 0
@@ -286,6 +290,13 @@ class VLLMReplica:
         p = self.cpu_claim.placement
         log.info("replica %s on node %s: engine up in %.1f s; engine threads %d on cpus %s (%s, numa %s)",
                  self.replica_id, self.node_id[:8], self.startup_s, p.threads, p.cores, p.binding, p.numa_nodes)
+
+    def _kv_capacity_tokens(self) -> int:
+        """The engine's KV cache in tokens: its blocks × their size, as the engine core reported them at start-up
+        (vLLM's front end keeps them in its ``cache_config``); 0: unknown."""
+        cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None) or 0
+        return int(blocks) * int(getattr(cache, "block_size", None) or self.settings.block_size)
 
     async def _record_engine_workers(self) -> None:
         """Ask every engine worker for its pid and its CPUs as the OS has them, and keep them in the placement (each
@@ -365,11 +376,15 @@ class VLLMReplica:
             hint = await self._plan_hint(request)
             plan_s = time.monotonic() - received
             params, final_only = engine_sampling_params(request.sampling_params, connector_params(request, hint))
+            max_new = params.max_tokens or max(0, self.settings.max_model_len - prompt_tokens)
+            self.kv_occupancy.start(request.request_id, request.block_keys, prompt_tokens, max_new * params.n)
             prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
             outputs = self.engine.generate(prompt, params, request.request_id, priority=request.priority,
                                            reasoning_ended=request.reasoning_ended,
                                            reasoning_parser_kwargs=request.reasoning_parser_kwargs)
             async for out in batched_outputs(outputs, None if final_only else self.stream_batching_s):
+                self.kv_occupancy.generated(request.request_id, sum(len(c.token_ids) for c in out.outputs),
+                                            time.monotonic())
                 cached = out.num_cached_tokens or 0
                 timeline = None
                 prompt_logprobs = None
@@ -410,6 +425,7 @@ class VLLMReplica:
             await self.engine.abort(request.request_id)
             raise
         finally:
+            self.kv_occupancy.end(request.request_id, time.monotonic())
             if first:
                 self.waiting -= 1
                 self.waiting_tokens -= work[0]
@@ -549,7 +565,7 @@ class VLLMReplica:
                 waiting=self.waiting, waiting_tokens=self.waiting_tokens, waiting_tokens_sq=self.waiting_tokens_sq,
                 layout_fingerprint=self._fingerprint, stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
-                placement=self.cpu_claim.placement, profile=self.profile,
+                placement=self.cpu_claim.placement, profile=self.profile, kv=self.kv_occupancy.occupancy(),
             )
             try:
                 await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)

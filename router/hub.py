@@ -74,6 +74,25 @@ class PrefillSample(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
+class KvRelease(msgspec.Struct, frozen=True, array_like=True):
+    """KV cache tokens a replica's in-flight request frees when it ends, ``eta_s`` after the report was sent."""
+
+    eta_s: float
+    tokens: int
+
+
+class KvOccupancy(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's KV cache as its in-flight requests hold it (``deployments.kv_occupancy``): what a new request
+    must wait for when it does not fit (vLLM admits a waiting request only when its blocks can be allocated).
+    ``held_tokens``: the tokens its requests hold or will hold once admitted (a block shared by several counted
+    once), ``releases``: when each of them ends (remaining decode at the replica's decode rate) and what that frees
+    (the blocks no request ending later shares), soonest first."""
+
+    capacity_tokens: int
+    held_tokens: int
+    releases: list[KvRelease] = []
+
+
 class EngineProfile(msgspec.Struct, frozen=True, kw_only=True):
     """What a replica measured of its engine at start-up (``deployments.replica``): its device (``torch.cuda.
     get_device_name``, or ``cpu``) and cold prefills of several lengths; the routers detect the GPU profile from the
@@ -105,6 +124,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     transfers: list[TransferSample] = []  # pool fetches finished since the previous report
     placement: ReplicaPlacement | None = None  # the CPUs the replica's engine threads are bound to
     profile: EngineProfile | None = None  # the engine's device and start-up prefill probe
+    kv: KvOccupancy | None = None  # its KV cache's occupancy (None: not known, e.g. before the engine is up)
 
 
 class PollReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,6 +40,7 @@ from router.cost import Hardware
 from kvpool.connector.timing import PoolRequestTiming
 from router.decision import AuditLog, DecisionRecord, RequestTimeline
 from router.hub import EngineProfile, PollReply, ReplicaReport, get_or_create_hub
+from router.kv_admission import KvAdmission
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
 from router.metrics import RouterMetrics
@@ -176,10 +177,14 @@ class LiveView:
                          report.layout_fingerprint[:16], report.replica_id)
                 self.layout_fingerprint = report.layout_fingerprint
             self.index.apply_replica_report(report)
+            sent = sent_at(report, now)
             self.book.report(report.replica_id, report.node_id, report.running, report.waiting, now, report.placement,
-                             waiting_work=(report.waiting_tokens, report.waiting_tokens_sq))
+                             waiting_work=(report.waiting_tokens, report.waiting_tokens_sq),
+                             kv=None if report.kv is None else KvAdmission.of(report.kv, sent))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
-            self.runner.acknowledge_replica(report.replica_id, decided_before=now - self.settings.poll_interval_s)
+            # what it counts: the requests that reached it before it was sent (decided a transport time earlier)
+            self.runner.acknowledge_replica(report.replica_id, decided_before=min(
+                now - self.settings.poll_interval_s, sent - REQUEST_TRANSPORT_S))
             if report.profile is not None and report.replica_id not in self._profiled:
                 self._apply_profile(report.replica_id, report.profile)
             if report.transfers:
@@ -377,7 +382,10 @@ class LiveView:
         return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
                  "hbm_blocks": self.index.held_blocks("replica", rid, "hbm"),
                  "mfu": self.calibrator.hardware(rid, self.hardware).mfu, "gpu_profile": self.hardware.gpu.name,
-                 "placement": msgspec.to_builtins(load.placement) if load.placement else None}
+                 "placement": msgspec.to_builtins(load.placement) if load.placement else None,
+                 # its KV cache as its last report had it (``router.kv_admission``; None: not reported)
+                 "kv_capacity_tokens": load.kv.capacity_tokens if load.kv else None,
+                 "kv_held_tokens": load.kv.capacity_tokens - load.kv.free_tokens if load.kv else None}
                 for rid, load in self.live_replicas(time.monotonic()).items()]
 
     async def shard_stats(self) -> list[dict[str, Any]]:
@@ -398,3 +406,18 @@ class LiveView:
 
         shards = await asyncio.to_thread(list_shards, self.settings.hub_namespace)
         return list(await asyncio.gather(*(row(s) for s in shards)))
+
+
+#: How long a routed request takes to reach its replica, at most as a rule (the ingress's send to the replica's
+#: receipt: ~10 ms measured on a loaded 2-core box): a report sent sooner after the decision may not count it.
+REQUEST_TRANSPORT_S = 0.05
+
+#: The most a report's age (its wall-clock ``sent_at`` to now) is believed: more is the two hosts' clock skew.
+MAX_REPORT_AGE_S = 1.0
+
+
+def sent_at(report: ReplicaReport, now: float) -> float:
+    """When ``report`` was sent, on the monotonic clock ``now`` is read from (its age from the wall clocks, within
+    [0, ``MAX_REPORT_AGE_S``])."""
+    age = time.time() - report.sent_at if report.sent_at > 0 else 0.0
+    return now - min(max(age, 0.0), MAX_REPORT_AGE_S)

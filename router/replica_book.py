@@ -2,8 +2,8 @@
 load reports and first tokens instead of rebuilt on every request.
 
 Who calls what (one per ``router.live_view.LiveView``, on the ingress's event loop):
-- ``report(...)`` for every replica report the hub delivers (load, node, placement); ``forget`` for a replica that
-  is gone; ``observe_ttft`` when a request's first token arrives (the mean TTFT the queue model uses);
+- ``report(...)`` for every replica report the hub delivers (load, node, placement, KV admission); ``forget`` for a
+  replica that is gone; ``observe_ttft`` when a request's first token arrives (the mean TTFT the queue model uses);
   ``touch(replica_id)`` after its calibration moved (MFU or fixed overhead); ``touch_all()`` after the base hardware
   changed (a detected GPU profile).
 - ``view(now)`` per decision: the cached list of the live replicas (heard from within ``ttl_s``) as the policies
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from router.calibration import Calibrator
 from router.cost import Hardware, effective_flops, work_flops
 from router.hub import ReplicaPlacement
+from router.kv_admission import KvAdmission
 from router.policies.base import ReplicaColumns, ReplicaState
 
 
@@ -46,6 +47,7 @@ class ReplicaLoad:
     placement: ReplicaPlacement | None = None  # the CPUs its engine threads are bound to
     waiting_tokens: int = 0  # the waiting requests' prefill work, Σ (P − c) and Σ (P² − c²) (ReplicaReport)
     waiting_tokens_sq: int = 0
+    kv: KvAdmission | None = None  # its KV cache's admission (its last report's; None: not reported)
 
 
 class ReplicaBook:
@@ -66,11 +68,13 @@ class ReplicaBook:
 
     # ---- what changes a state ----------------------------------------------------------------------------------
     def report(self, replica_id: str, node_id: str, running: int, waiting: int, now: float,
-               placement: ReplicaPlacement | None, waiting_work: tuple[int, int] = (0, 0)) -> None:
-        """``waiting_work``: the waiting requests' prefill work as the replica reports it (0, 0: not reported)."""
+               placement: ReplicaPlacement | None, waiting_work: tuple[int, int] = (0, 0),
+               kv: KvAdmission | None = None) -> None:
+        """``waiting_work``: the waiting requests' prefill work as the replica reports it (0, 0: not reported);
+        ``kv``: its KV cache's admission (None: not reported)."""
         prev = self.loads.get(replica_id)
         self.loads[replica_id] = ReplicaLoad(node_id, running, waiting, now, prev.mean_ttft_s if prev else 0.0,
-                                             placement or (prev.placement if prev else None), *waiting_work)
+                                             placement or (prev.placement if prev else None), *waiting_work, kv)
         self._dirty[replica_id] = None
 
     def observe_ttft(self, replica_id: str, ttft_s: float) -> None:
@@ -127,7 +131,7 @@ class ReplicaBook:
                 load = self.loads[rid]
                 hw = calibrator.hardware(rid, base)
                 state = ReplicaState(rid, load.node_id, load.running, load.waiting, self.queue_delay_s(rid, load, hw),
-                                     0, hw)
+                                     0, hw, load.kv)
                 old = self._states.get(rid)
                 self._states[rid] = state
                 if old is None:
@@ -142,6 +146,7 @@ class ReplicaBook:
                     cols = self._columns
                     cols.nodes[i], cols.hws[i], cols.hw_ids[i] = state.node_id, hw, id(hw)
                     cols.queues[i] = state.queue_delay_s
+                    cols.kv[i] = state.kv
             self._dirty.clear()
             if not in_place:
                 self._list = None

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal
 
 from kvpool.keys import BlockKey
 from router.cost import Hardware
+from router.kv_admission import KvAdmission
 
 StorageTier = Literal["dram", "ssd"]
 
@@ -65,6 +66,7 @@ class ReplicaState(msgspec.Struct, frozen=True):
     queue_delay_s: float
     hbm_prefix_blocks: int
     hw: Hardware
+    kv: KvAdmission | None = None  # its KV cache's admission (``router.kv_admission``; None: not known)
 
     @property
     def load(self) -> int:
@@ -96,26 +98,31 @@ class ReplicaColumns:
     hw_ids: list[int]  # id() of each hardware object: replicas of one deployment share theirs
     queues: list[float]  # queue_delay_s
     hbm: list[int]  # hbm_prefix_blocks
+    kv: list[KvAdmission | None]  # kv
 
     @classmethod
     def of(cls, replicas: Sequence[ReplicaState]) -> ReplicaColumns:
         hws = [r.hw for r in replicas]
         return cls([r.replica_id for r in replicas], [r.node_id for r in replicas], hws, list(map(id, hws)),
-                   [r.queue_delay_s for r in replicas], [r.hbm_prefix_blocks for r in replicas])
+                   [r.queue_delay_s for r in replicas], [r.hbm_prefix_blocks for r in replicas],
+                   [r.kv for r in replicas])
 
-    def with_changes(self, *, queues: list[float] | None = None, hbm: list[int] | None = None) -> ReplicaColumns:
+    def with_changes(self, *, queues: list[float] | None = None, hbm: list[int] | None = None,
+                     kv: list[KvAdmission | None] | None = None) -> ReplicaColumns:
         return ReplicaColumns(self.ids, self.nodes, self.hws, self.hw_ids, self.queues if queues is None else queues,
-                              self.hbm if hbm is None else hbm)
+                              self.hbm if hbm is None else hbm, self.kv if kv is None else kv)
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
     """What the policy may look at: every live replica and every pool hit for this request; ``columns``, when the
     producer keeps them (the live router's ``ReplicaBook`` through ``PrefixIndex.snapshot``), the same replicas as
-    columns (``ReplicaColumns``; None: a policy that wants them builds them, ``ReplicaColumns.of``)."""
+    columns (``ReplicaColumns``; None: a policy that wants them builds them, ``ReplicaColumns.of``). ``now``: the
+    decision's time on the clock the replicas' ``kv`` release times use (the runner's; 0: not given)."""
 
     replicas: Sequence[ReplicaState]
     pool_hits: Sequence[PoolHit] = ()
     columns: ReplicaColumns | None = None
+    now: float = 0.0
 
 
 class FetchPlan(msgspec.Struct, frozen=True):

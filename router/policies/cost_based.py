@@ -3,6 +3,8 @@ unless it does not beat the best HBM holder by more than the model's own uncerta
 
 For replica r (queue q_r, HBM prefix h_r blocks) and a request of P tokens (block size bs), with pool hits x
 (shard, storage tier, prefix p_x blocks, shard queue q_x) priced on tier T = TierMap.tier(x.tier, same node?):
+(q_r includes the replica's KV admission wait when its KV cache cannot take the request now: the time until its
+running requests free the blocks of P, or of P − h_r·bs on a holder; ``router.kv_admission``)
 
     RECOMPUTE  = q_r + prefill(P, 0)
     HOLDER     = q_r + prefill(P, h_r·bs)                                                   (h_r > 0)
@@ -62,6 +64,7 @@ from operator import itemgetter
 from typing import ClassVar, NamedTuple
 
 from router.cost import GB
+from router.kv_admission import KvAdmission
 from router.policies.base import (
     Action,
     Candidate,
@@ -382,12 +385,26 @@ class CostBased(RoutingPolicy):
         # node with a pool hit.
         cols = cluster.columns if cluster.columns is not None else ReplicaColumns.of(rs)
         qs, nodes, hids, hbs = cols.queues, cols.nodes, cols.hw_ids, cols.hbm
+        # KV admission (``router.kv_admission``): a replica whose KV cache cannot take the prompt now adds the wait
+        # until its running requests free enough to its queue (need: the whole prompt; a holder's is priced below
+        # with its HBM prefix taken off). Replicas that do not report their KV cache wait for nothing.
+        kvs: list[KvAdmission | None] | None = cols.kv if any(cols.kv) else None
+        now = cluster.now
+        if kvs is not None:
+            waits = [0.0 if k is None else k.wait_s(prompt, now) for k in kvs]
+            if any(waits):
+                base_qs = qs
+                qs = [q + w for q, w in zip(qs, waits)]
+            else:
+                kvs = None
         if self._rng is not None and n > 1:
             s = int(self._rng.random() * n)
             if s:
                 rs = rs[s:] + rs[:s]
                 qs, nodes, hids = qs[s:] + qs[:s], nodes[s:] + nodes[:s], hids[s:] + hids[:s]
                 hbs = hbs[s:] + hbs[:s] if max_blocks > 0 else hbs
+                if kvs is not None:
+                    kvs, base_qs = kvs[s:] + kvs[:s], base_qs[s:] + base_qs[:s]
         split = 1.0 - self.split_min_gain if self.allow_split else 0.0
         pricer = self._pricer
 
@@ -437,6 +454,10 @@ class CostBased(RoutingPolicy):
                 if hb <= 0:
                     continue
                 q = qs[i]
+                if kvs is not None and q != base_qs[i]:  # short of KV for the prompt: the HBM prefix is not new
+                    k = kvs[i]
+                    assert k is not None
+                    q = qs[i] = base_qs[i] + k.wait_s(prompt - min(hb, max_blocks) * bs, now)
                 best, bd = _INF, _RECOMPUTE_PLAN
                 for t, d in groups[hids[i]].priced(hb if hb < max_blocks else max_blocks, nodes[i]):
                     t += q
@@ -514,7 +535,8 @@ class CostBased(RoutingPolicy):
                 held = picked[choosable]
             cands = picked
         t, i, d = decision
-        args = (rs[i], d, t, groups[hids[i]], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging)
+        args = (rs[i], d, t, groups[hids[i]], prompt, bs, hits, pricer.require_tiers(self.name), self.split_staging,
+                qs[i] - rs[i].queue_delay_s)
         return Ranking(cands, explain=lambda: _with_held_back(_formula(*args), held),  # formatted only when read
                        choosable=choosable)
 
@@ -548,8 +570,14 @@ def _formula(
     hits: Sequence[tuple[PoolHit, int]],
     tiers: TierMap,
     staged: bool,
+    kv_wait: float = 0.0,
 ) -> tuple[str, dict[str, float]]:
-    """The chosen candidate's formula with its values (Dynamo-selector style)."""
+    """The chosen candidate's formula with its values (Dynamo-selector style). ``kv_wait``: the KV admission wait
+    its queue includes (shown as a term of the queue)."""
+    if kv_wait > 0:
+        text, values = _formula(r, d, total, g, prompt, bs, hits, tiers, staged)
+        return (text.replace(f"queue {r.queue_delay_s:.4f}", f"queue {r.queue_delay_s:.4f} + kv admission "
+                             f"{kv_wait:.4f}", 1), {**values, "kv_wait_s": kv_wait})
     co = g.co
     a, hi, start, end = d.action, d.hit, d.start, d.end
     q = r.queue_delay_s

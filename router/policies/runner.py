@@ -17,10 +17,13 @@ Anti-herding (several routers, each with its own index, sharing only the replica
 reports every router would see the same "best" replica and pile onto it. The runner therefore (1) adds its own
 in-flight assignments to the snapshot it shows the policy — +1 waiting and +the request's own predicted prefill
 seconds on the replica's queue delay — until the replica reports them (``acknowledge*``), the first token arrives,
-or ``inflight_ttl_s`` passes; and (2) for policies with ``tie_break`` (candidates ordered by predicted TTFT) picks
-uniformly at random among the choosable candidates (``Ranking.choosable``) within ``max(tie_abs_s, tie_rel · best)``
-of the best, with its own injected RNG, so two routers with identical views still choose different replicas. Both
-can be switched off (``anti_herding=False``, ``tie_break=False``) to measure the herd a naive router forms.
+or ``inflight_ttl_s`` passes; on a replica that reports its KV cache (``ReplicaState.kv``), also the KV the request
+will hold (its prompt less the HBM prefix it reuses, ``KvAdmission.claimed``), which the first token does not end:
+until a report counts the request, it finishes, or ``inflight_ttl_s`` passes; and (2) for policies with
+``tie_break`` (candidates ordered by predicted TTFT) picks uniformly at random among the choosable candidates
+(``Ranking.choosable``) within ``max(tie_abs_s, tie_rel · best)`` of the best, with its own injected RNG, so two
+routers with identical views still choose different replicas. Both can be switched off (``anti_herding=False``,
+``tie_break=False``) to measure the herd a naive router forms.
 
 No I/O: clocks and the RNG are injected; audit log and metrics are optional in-memory sinks.
 """
@@ -102,6 +105,14 @@ class _Pending:
     added_s: float
 
 
+@dataclasses.dataclass(slots=True)
+class _KvClaim:
+    replica_id: str
+    tokens: int
+    decided_at: float
+    expires_at: float
+
+
 class PolicyRunner:
     """Runs one policy for one router. Not thread-safe (one per event loop / simulator)."""
 
@@ -138,6 +149,8 @@ class PolicyRunner:
         self.metrics = metrics
         self._pending: dict[str, _Pending] = {}  # request id -> assignment
         self._per_replica: dict[str, tuple[int, float]] = {}  # replica id -> (count, added seconds)
+        self._kv_claims: dict[str, _KvClaim] = {}  # request id -> the KV its assignment will hold
+        self._kv_per_replica: dict[str, int] = {}  # replica id -> tokens claimed
         self._next_expiry = float("inf")
 
     # ---- deciding -------------------------------------------------------------------------------------------
@@ -147,7 +160,8 @@ class PolicyRunner:
         if not snapshot.replicas:
             raise NoReplicasError(f"no live replica to route request {request.request_id!r} to")
         now = self._clock()
-        view = self._with_inflight(snapshot, now) if self._pending else snapshot
+        view = self._with_inflight(snapshot, now) if self._pending or self._kv_claims else snapshot
+        view = replace_struct(view, now=now)
         ranking = self.policy.rank(request, view)
         cands = ranking.candidates
         if not cands:
@@ -193,6 +207,9 @@ class PolicyRunner:
         )
         if self.anti_herding:
             self._track(request.request_id, replica, chosen.predicted_ttft_s - replica.queue_delay_s, now)
+            if replica.kv is not None:
+                self._claim_kv(request.request_id, replica.replica_id,
+                               max(0, request.prompt_tokens - record.hbm_tokens), now)
         record.decision_latency_s = self._timer() - t0
         if self.audit is not None:
             self.audit.add(record, None if ranking.explained else lambda: ranking.reason)
@@ -202,8 +219,9 @@ class PolicyRunner:
 
     def record_actual(self, request_id: str, ttft_s: float) -> DecisionRecord | None:
         """The request's first token arrived after ``ttft_s``: regret and error into the record and metrics; its
-        prefill is done, so it no longer counts as this router's in-flight load."""
-        self.acknowledge(request_id)
+        prefill is done, so it no longer counts as this router's in-flight load (the KV it holds does, until
+        ``acknowledge``)."""
+        self._drop_pending(request_id)
         if self.audit is None:
             return None
         record = self.audit.record_actual(request_id, ttft_s)
@@ -214,7 +232,13 @@ class PolicyRunner:
     # ---- anti-herding: this router's assignments the replicas have not reported yet ----------------------------
 
     def acknowledge(self, request_id: str) -> None:
-        """The replica's load report now counts ``request_id`` (or it finished prefill): stop adding it."""
+        """The replica's load report now counts ``request_id`` (or it finished): stop adding it."""
+        self._drop_pending(request_id)
+        c = self._kv_claims.pop(request_id, None)
+        if c is not None:
+            self._unclaim(c)
+
+    def _drop_pending(self, request_id: str) -> None:
         p = self._pending.pop(request_id, None)
         if p is not None:
             self._unaccount(p)
@@ -223,6 +247,8 @@ class PolicyRunner:
         """A load report from ``replica_id`` that counts everything this router sent it before ``decided_before``
         (this runner's clock) arrived."""
         done = [rid for rid, p in self._pending.items() if p.replica_id == replica_id and p.decided_at < decided_before]
+        done += [rid for rid, c in self._kv_claims.items()
+                 if c.replica_id == replica_id and c.decided_at < decided_before and rid not in self._pending]
         for rid in done:
             self.acknowledge(rid)
 
@@ -241,6 +267,24 @@ class PolicyRunner:
         if self.metrics is not None:
             self.metrics.set_inflight(p.replica_id, n + 1)
 
+    def kv_claimed(self, replica_id: str) -> int:
+        """KV tokens this router's unacknowledged assignments on ``replica_id`` will hold (after expiry)."""
+        self._expire(self._clock())
+        return self._kv_per_replica.get(replica_id, 0)
+
+    def _claim_kv(self, request_id: str, replica_id: str, tokens: int, now: float) -> None:
+        c = _KvClaim(replica_id, tokens, now, now + self.inflight_ttl_s)
+        self._kv_claims[request_id] = c
+        self._kv_per_replica[replica_id] = self._kv_per_replica.get(replica_id, 0) + tokens
+        self._next_expiry = min(self._next_expiry, c.expires_at)
+
+    def _unclaim(self, c: _KvClaim) -> None:
+        left = self._kv_per_replica.get(c.replica_id, 0) - c.tokens
+        if left > 0:
+            self._kv_per_replica[c.replica_id] = left
+        else:
+            self._kv_per_replica.pop(c.replica_id, None)
+
     def _unaccount(self, p: _Pending) -> None:
         n, s = self._per_replica[p.replica_id]
         if n <= 1:
@@ -256,17 +300,22 @@ class PolicyRunner:
         expired = [rid for rid, p in self._pending.items() if p.expires_at <= now]
         for rid in expired:
             self._unaccount(self._pending.pop(rid))
-        self._next_expiry = min((p.expires_at for p in self._pending.values()), default=float("inf"))
+        for rid in [rid for rid, c in self._kv_claims.items() if c.expires_at <= now]:
+            self._unclaim(self._kv_claims.pop(rid))
+        self._next_expiry = min(min((p.expires_at for p in self._pending.values()), default=float("inf")),
+                                min((c.expires_at for c in self._kv_claims.values()), default=float("inf")))
 
     def _with_inflight(self, snapshot: ClusterSnapshot, now: float) -> ClusterSnapshot:
         self._expire(now)
         extra = self._per_replica
-        if not extra:
+        claims = self._kv_per_replica
+        if not extra and not claims:
             return snapshot
         replicas = list(snapshot.replicas)
         cols = snapshot.columns
         ids = cols.ids if cols is not None else [r.replica_id for r in replicas]  # unique in a snapshot
-        queues = cols.queues[:] if cols is not None else None
+        queues = cols.queues[:] if cols is not None and extra else None
+        kvs = cols.kv[:] if cols is not None and claims else None
         for rid, (count, added_s) in extra.items():  # a few replicas: their positions found by C scans
             if rid in ids:
                 i = ids.index(rid)
@@ -274,7 +323,16 @@ class PolicyRunner:
                 replicas[i] = replace_struct(r, waiting=r.waiting + count, queue_delay_s=r.queue_delay_s + added_s)
                 if queues is not None:
                     queues[i] = replicas[i].queue_delay_s
-        return ClusterSnapshot(replicas, snapshot.pool_hits, None if cols is None else cols.with_changes(queues=queues))
+        for rid, tokens in claims.items():
+            if rid in ids:
+                i = ids.index(rid)
+                r = replicas[i]
+                if r.kv is not None:
+                    replicas[i] = replace_struct(r, kv=r.kv.claimed(tokens))
+                    if kvs is not None:
+                        kvs[i] = replicas[i].kv
+        return ClusterSnapshot(replicas, snapshot.pool_hits,
+                               None if cols is None else cols.with_changes(queues=queues, kv=kvs))
 
 
 def _find(replicas: Sequence[ReplicaState], replica_id: str) -> ReplicaState | None:

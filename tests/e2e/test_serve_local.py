@@ -288,6 +288,8 @@ def test_status_lists_nodes_replicas_shards(server) -> None:
     workers = [n for n in status["nodes"] if n["cpus"] > 0]
     assert len(workers) == 2
     assert len(status["replicas"]) == 2
+    # each replica reports its engine's KV cache (its blocks × block size: the configured bytes' worth, > 0)
+    assert all((r["kv_capacity_tokens"] or 0) > 0 for r in status["replicas"]), status["replicas"]
     assert len(status["shards"]) == 2
     assert sum(s["dram_blocks"] + s["ssd_blocks"] for s in status["shards"]) > 0, "the connector saved blocks"
     # Prefixes served from HBM (the second turn above) refresh their pool blocks in the replica's node shard.
@@ -464,8 +466,10 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(server) 
                 if seen >= 5:
                     break  # leaving both blocks closes the connection mid-stream
     started = time.monotonic()
-    wait_for_status(server, lambda st: sum(x["running"] + x["waiting"] for x in st["replicas"]) == 0,
-                    "no request left on the replicas after the client left", answers=6, timeout_s=20)
+    wait_for_status(server, lambda st: sum(x["running"] + x["waiting"] + (x["kv_held_tokens"] or 0)
+                                           for x in st["replicas"]) == 0,
+                    "no request (and no KV it held) left on the replicas after the client left", answers=6,
+                    timeout_s=20)
     assert time.monotonic() - started < 20
 
 

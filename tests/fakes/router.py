@@ -12,6 +12,7 @@ import hashlib
 
 from configs import loader
 from router.cost import Hardware
+from router.kv_admission import KvAdmission
 from router.policies.base import ClusterSnapshot, PoolHit, ReplicaState, RouteRequest
 from router.policies.pricing import TierMap
 
@@ -57,9 +58,10 @@ def router_replica(
     queue_delay_s: float = 0.0,
     hbm_prefix_blocks: int = 0,
     hw: Hardware | None = None,
+    kv: KvAdmission | None = None,
 ) -> ReplicaState:
     return ReplicaState(
-        replica_id, node_id, running, waiting, queue_delay_s, hbm_prefix_blocks, hw or router_hw()
+        replica_id, node_id, running, waiting, queue_delay_s, hbm_prefix_blocks, hw or router_hw(), kv
     )
 
 

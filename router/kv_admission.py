@@ -1,0 +1,50 @@
+"""KV-cache admission as the router prices it: how long a new request waits on a replica before vLLM can allocate
+its blocks (the replica's half, and why, is ``deployments.kv_occupancy``).
+
+Who calls what: ``router.replica_book.ReplicaBook`` turns each load report's ``router.hub.KvOccupancy`` into a
+``KvAdmission`` (``of``: release times on the router's clock) that the replica's ``ReplicaState`` and columns carry;
+``router.policies.runner.PolicyRunner`` adds this router's assignments the replica has not reported yet
+(``claimed``); ``router.policies.cost_based`` adds ``wait_s(need, now)`` to a replica's queue when a request needs
+more tokens than it has free (``need``: the prompt less the HBM prefix the replica holds).
+
+``wait_s``: 0 when ``need`` fits in the free tokens, else the time until the soonest releases free enough (the
+replica's requests end in the order it reported), at most until the last one ends.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from itertools import accumulate
+
+import msgspec
+
+from router.hub import KvOccupancy
+
+
+class KvAdmission(msgspec.Struct, frozen=True):
+    free_tokens: int  # capacity less what in-flight requests hold (negative: more is claimed than there is)
+    release_at: tuple[float, ...] = ()  # when the replica's requests end (the router's clock), soonest first
+    freed: tuple[int, ...] = ()  # tokens free by then, cumulative
+    capacity_tokens: int = 0  # the replica's KV cache (``kvstack status``)
+
+    @classmethod
+    def of(cls, occupancy: KvOccupancy, sent_at: float) -> KvAdmission:
+        """``sent_at``: when the report was sent, on the router's clock (its releases count from then)."""
+        rel = occupancy.releases
+        return cls(occupancy.capacity_tokens - occupancy.held_tokens, tuple(sent_at + r.eta_s for r in rel),
+                   tuple(accumulate(r.tokens for r in rel)), occupancy.capacity_tokens)
+
+    def wait_s(self, need_tokens: float, now: float) -> float:
+        short = need_tokens - self.free_tokens
+        if short <= 0:
+            return 0.0
+        at = self.release_at
+        if not at:
+            return 0.0  # nothing in flight to wait for: the request cannot fit at all (vLLM refuses it)
+        i = bisect_left(self.freed, short)
+        t = at[i] if i < len(at) else at[-1]
+        return t - now if t > now else 0.0
+
+    def claimed(self, tokens: int) -> KvAdmission:
+        """The same occupancy with ``tokens`` more held (assignments the replica has not reported yet)."""
+        return KvAdmission(self.free_tokens - tokens, self.release_at, self.freed, self.capacity_tokens)
