@@ -24,6 +24,8 @@ keys are the engine's blocks):
   taken to end now (the routers then price no wait: the behaviour without this model).
 - When it ends it frees its tail and the keys that no request ending later shares (cached blocks no request holds
   are evictable: free for admission).
+- The keys held are listed (``key_id``: their first 8 bytes), so that a router can tell whether a new request's
+  cached prefix is held (no new blocks) or only cached (vLLM allocates an evictable cached block again).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.hub import KvOccupancy, KvRelease
+from router.kv_admission import key_id
+
+#: The most held block keys a report lists (``KvOccupancy.pinned``; 8k keys are ~80 KB of msgpack): beyond, none.
+MAX_PINNED_KEYS = 8192
 
 #: Weight of a finished request in the EWMAs of decode rate and output length.
 EWMA_WEIGHT = 0.2
@@ -109,6 +115,7 @@ class KvOccupancyTracker:
             for k in r.keys:
                 holders[k] = holders.get(k, 0) + 1
         held = len(holders) * bs + sum(self._tail_tokens(r) for r in self._requests.values())
+        pinned = [key_id(k) for k in holders] if len(holders) <= MAX_PINNED_KEYS else None
         ending = sorted(self._requests.values(), key=self.remaining_tokens)
         releases: list[KvRelease] = []
         for r in ending:
@@ -122,7 +129,7 @@ class KvOccupancyTracker:
             if releases and releases[-1].eta_s == eta:
                 freed += releases.pop().tokens
             releases.append(KvRelease(eta, freed))
-        return KvOccupancy(capacity_tokens=self.capacity_tokens, held_tokens=held, releases=releases)
+        return KvOccupancy(capacity_tokens=self.capacity_tokens, held_tokens=held, releases=releases, pinned=pinned)
 
 
 def _ewma(old: float | None, value: float) -> float:

@@ -86,11 +86,14 @@ class KvOccupancy(msgspec.Struct, frozen=True, kw_only=True):
     must wait for when it does not fit (vLLM admits a waiting request only when its blocks can be allocated).
     ``held_tokens``: the tokens its requests hold or will hold once admitted (a block shared by several counted
     once), ``releases``: when each of them ends (remaining decode at the replica's decode rate) and what that frees
-    (the blocks no request ending later shares), soonest first."""
+    (the blocks no request ending later shares), soonest first. ``pinned``: the block keys those requests hold, each
+    as its first 8 bytes (an unsigned little-endian int): a new request's cached prefix needs no new blocks only
+    while a request holds it (vLLM allocates a cached block no request holds again); None: not sent (too many)."""
 
     capacity_tokens: int
     held_tokens: int
     releases: list[KvRelease] = []
+    pinned: list[int] | None = None
 
 
 class EngineProfile(msgspec.Struct, frozen=True, kw_only=True):

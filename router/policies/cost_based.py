@@ -4,7 +4,7 @@ unless it does not beat the best HBM holder by more than the model's own uncerta
 For replica r (queue q_r, HBM prefix h_r blocks) and a request of P tokens (block size bs), with pool hits x
 (shard, storage tier, prefix p_x blocks, shard queue q_x) priced on tier T = TierMap.tier(x.tier, same node?):
 (q_r includes the replica's KV admission wait when its KV cache cannot take the request now: the time until its
-running requests free the blocks of P, or of P − h_r·bs on a holder; ``router.kv_admission``)
+running requests free the blocks of P less the leading blocks they hold themselves; ``router.kv_admission``)
 
     RECOMPUTE  = q_r + prefill(P, 0)
     HOLDER     = q_r + prefill(P, h_r·bs)                                                   (h_r > 0)
@@ -387,7 +387,8 @@ class CostBased(RoutingPolicy):
         qs, nodes, hids, hbs = cols.queues, cols.nodes, cols.hw_ids, cols.hbm
         # KV admission (``router.kv_admission``): a replica whose KV cache cannot take the prompt now adds the wait
         # until its running requests free enough to its queue (need: the whole prompt; a holder's is priced below
-        # with its HBM prefix taken off). Replicas that do not report their KV cache wait for nothing.
+        # with the part of its HBM prefix that running requests hold taken off). Replicas that do not report their
+        # KV cache wait for nothing.
         kvs: list[KvAdmission | None] | None = cols.kv if any(cols.kv) else None
         now = cluster.now
         if kvs is not None:
@@ -454,10 +455,11 @@ class CostBased(RoutingPolicy):
                 if hb <= 0:
                     continue
                 q = qs[i]
-                if kvs is not None and q != base_qs[i]:  # short of KV for the prompt: the HBM prefix is not new
-                    k = kvs[i]
+                if kvs is not None and q != base_qs[i]:  # short of KV for the prompt: the part of its HBM prefix
+                    k = kvs[i]                            # that running requests hold needs no new blocks
                     assert k is not None
-                    q = qs[i] = base_qs[i] + k.wait_s(prompt - min(hb, max_blocks) * bs, now)
+                    held = k.pinned_blocks(request.block_keys, min(hb, max_blocks))
+                    q = qs[i] = base_qs[i] + k.wait_s(prompt - held * bs, now)
                 best, bd = _INF, _RECOMPUTE_PLAN
                 for t, d in groups[hids[i]].priced(hb if hb < max_blocks else max_blocks, nodes[i]):
                     t += q

@@ -1,7 +1,8 @@
 """KV-cache admission, both halves: the replica's model of what its in-flight requests hold and when they free it
 (``deployments.kv_occupancy``), the router's wait for a request that does not fit (``router.kv_admission``), the
 book and the runner that carry it to the policy, and ``cost_based`` pricing it (a replica short of KV for the
-prompt costs the wait until its running requests end; a holder needs only what is not in its HBM prefix)."""
+prompt costs the wait until its running requests end; a holder needs no new blocks for the part of its HBM prefix
+that running requests hold, and all of them for a prefix that is only cached)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from deployments.kv_occupancy import KvOccupancyTracker
 from router.calibration import Calibrator
 from router.hub import KvOccupancy, KvRelease, ReplicaReport
-from router.kv_admission import KvAdmission
+from router.kv_admission import KvAdmission, key_id
 from router.policies.base import Action, ClusterSnapshot, ReplicaColumns, RouteRequest
 from router.policies.cost_based import CostBased
 from router.policies.runner import PolicyRunner
@@ -42,7 +43,8 @@ def test_unknown_capacity_reports_nothing() -> None:
     t.start("r", [b"a"], 4, 8)
     assert t.occupancy() is None
     t.set_capacity(64)
-    assert t.occupancy() == KvOccupancy(capacity_tokens=64, held_tokens=4, releases=[KvRelease(0.0, 4)])
+    assert t.occupancy() == KvOccupancy(capacity_tokens=64, held_tokens=4, releases=[KvRelease(0.0, 4)],
+                                        pinned=[key_id(b"a")])
 
 
 def test_shared_blocks_are_held_once_and_freed_by_their_last_holder() -> None:
@@ -52,6 +54,7 @@ def test_shared_blocks_are_held_once_and_freed_by_their_last_holder() -> None:
     occ = t.occupancy()
     assert occ is not None and occ.capacity_tokens == 40
     assert occ.held_tokens == 4 * BS + BS  # a, b, c, d once, plus long's tail block
+    assert sorted(occ.pinned or []) == sorted(key_id(k) for k in (b"a", b"b", b"c", b"d"))
     # short ends first (5 tokens left, 0.5 s): only d is its own; long (min(20, 11 expected) tokens, 1.1 s) frees
     # its tail and a, b, c.
     assert occ.releases == [KvRelease(pytest.approx(0.5), BS), KvRelease(pytest.approx(1.1), 4 * BS)]
@@ -68,11 +71,12 @@ def test_generated_tokens_grow_the_tail_and_shorten_the_wait() -> None:
     assert occ.held_tokens == BS + 2 * BS  # 4 prompt + 7 generated tokens: a and two more blocks
     assert occ.releases == [KvRelease(pytest.approx(0.4), 3 * BS)]  # 11 expected − 7 generated at 0.1 s
     t.end("r", now=3.0)
-    assert len(t) == 0 and t.occupancy() == KvOccupancy(capacity_tokens=40, held_tokens=0, releases=[])
+    assert len(t) == 0 and t.occupancy() == KvOccupancy(capacity_tokens=40, held_tokens=0, releases=[], pinned=[])
 
 
 def test_the_report_carries_it_on_the_wire() -> None:
-    occ = KvOccupancy(capacity_tokens=6144, held_tokens=4608, releases=[KvRelease(0.2, 2304), KvRelease(0.9, 2304)])
+    occ = KvOccupancy(capacity_tokens=6144, held_tokens=4608, releases=[KvRelease(0.2, 2304), KvRelease(0.9, 2304)],
+                      pinned=[key_id(k) for k in router_keys(36)])
     report = ReplicaReport(replica_id="r", node_id="n", seq=1, running=2, waiting=0, kv=occ)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(report), type=ReplicaReport)
     assert back.kv == occ
@@ -83,10 +87,12 @@ def test_the_report_carries_it_on_the_wire() -> None:
 # ---- the router's half -----------------------------------------------------------------------------------------
 
 
-def _admission(free: int, releases: list[tuple[float, int]], sent_at: float = 100.0) -> KvAdmission:
+def _admission(free: int, releases: list[tuple[float, int]], sent_at: float = 100.0,
+               pinned: list[bytes] | None = None) -> KvAdmission:
     held = 6144 - free
     return KvAdmission.of(KvOccupancy(capacity_tokens=6144, held_tokens=held,
-                                      releases=[KvRelease(e, n) for e, n in releases]), sent_at)
+                                      releases=[KvRelease(e, n) for e, n in releases],
+                                      pinned=None if pinned is None else [key_id(k) for k in pinned]), sent_at)
 
 
 def test_wait_is_zero_when_it_fits_else_until_enough_is_freed() -> None:
@@ -99,6 +105,15 @@ def test_wait_is_zero_when_it_fits_else_until_enough_is_freed() -> None:
     assert k.wait_s(2240, now=101.0) == 0.0  # past the release times: nothing left to wait for
     assert k.claimed(1000).wait_s(1000, now=100.0) == pytest.approx(0.3)  # an assignment not reported yet
     assert _admission(0, []).wait_s(100, now=100.0) == 0.0  # nothing in flight: nothing to wait for
+
+
+def test_pinned_blocks_is_the_longest_held_run_of_the_chain() -> None:
+    keys = router_keys(20)
+    assert _admission(0, [], pinned=keys[:7]).pinned_blocks(keys, 15) == 7
+    assert _admission(0, [], pinned=keys[:7]).pinned_blocks(keys, 5) == 5  # only what the replica's HBM holds
+    assert _admission(0, [], pinned=keys).pinned_blocks(keys, 15) == 15
+    assert _admission(0, [], pinned=router_keys(7, salt="other")).pinned_blocks(keys, 15) == 0
+    assert _admission(0, []).pinned_blocks(keys, 15) == 0  # not reported: nothing counted as held
 
 
 def test_the_book_carries_it_into_states_and_columns() -> None:
@@ -149,18 +164,24 @@ def test_the_reason_names_the_wait() -> None:
     assert "queue 0.0000 + kv admission 1.0000" in ranking.reason
 
 
-def test_a_holder_needs_only_what_its_hbm_prefix_does_not_hold() -> None:
-    # 15 of the prompt's blocks in HBM: 80 new tokens fit in the 200 free; the other replica has no room at all
-    holder = router_replica("holder", hbm_prefix_blocks=15, kv=_admission(200, [(1.0, 3000)]))
+def test_a_holder_needs_only_what_running_requests_do_not_hold_of_its_prefix() -> None:
+    keys = _request().block_keys
+    # 15 of the prompt's blocks in HBM, held by a running request: 80 new tokens fit in the 200 free; the other
+    # replica has no room at all
+    holder = router_replica("holder", hbm_prefix_blocks=15, kv=_admission(200, [(1.0, 3000)], pinned=keys[:15]))
     other = router_replica("other", kv=_admission(0, [(1.0, 3000)]))
     ranking = _policy().rank(_request(), _snapshot(holder, other))
     best = ranking.candidates[0]
     assert (best.replica_id, best.action) == ("holder", Action.HOLDER)
     assert "kv admission" not in ranking.reason
     # a holder short even of its suffix waits too
-    tight = router_replica("holder", hbm_prefix_blocks=15, kv=_admission(50, [(0.4, 3000)]))
+    tight = router_replica("holder", hbm_prefix_blocks=15, kv=_admission(50, [(0.4, 3000)], pinned=keys[:15]))
     r2 = _policy().rank(_request(), _snapshot(tight))
     assert r2.candidates[0].action is Action.HOLDER and "kv admission 0.4000" in r2.reason
+    # cached but held by no request (evictable): vLLM allocates those blocks again, the whole prompt must fit
+    cached = router_replica("holder", hbm_prefix_blocks=15, kv=_admission(200, [(0.7, 3000)], pinned=keys[:3]))
+    r3 = _policy().rank(_request(), _snapshot(cached))
+    assert r3.candidates[0].action is Action.HOLDER and "kv admission 0.7000" in r3.reason
 
 
 def test_the_runner_counts_its_assignments_kv_until_a_report_counts_them() -> None:
