@@ -9,7 +9,8 @@ replica; the cost model priced the prefill work queued ahead, not the KV held. T
 they need to price that wait (``router.hub.KvOccupancy`` in every load report).
 
 Who calls it: ``deployments.replica`` — ``start`` when a request arrives, ``generated`` per output chunk, ``end``
-when it ends (finished, failed or cancelled), ``occupancy`` for each load report. One per replica, on its event
+when it ends (finished, failed or cancelled: only a finished one updates the rates), ``occupancy`` for each load
+report. One per replica, on its event
 loop (not thread-safe).
 
 The model (vLLM v1's block manager as it admits and frees; blocks of ``block_size`` tokens, the router's block
@@ -80,9 +81,11 @@ class KvOccupancyTracker:
             r.first_output_at, r.first_tokens = now, tokens
         r.generated += tokens
 
-    def end(self, request_id: str, now: float) -> None:
+    def end(self, request_id: str, now: float, finished: bool = True) -> None:
+        """``request_id`` ended at ``now``: its KV is free. Only a request the engine finished (not an aborted or
+        failed one) teaches the decode rate and the output length."""
         r = self._requests.pop(request_id, None)
-        if r is None or r.first_output_at is None:
+        if r is None or r.first_output_at is None or not finished:
             return
         self.output_tokens = _ewma(self.output_tokens, r.generated)
         if r.generated > r.first_tokens:

@@ -365,6 +365,7 @@ class VLLMReplica:
         received = time.monotonic()
         self.waiting += 1
         first = True
+        finished = False
         prompt_tokens = len(request.prompt_token_ids)
         reused = min(max(request.planned_reuse_tokens, 0), prompt_tokens)
         work = (prompt_tokens - reused, prompt_tokens * prompt_tokens - reused * reused)
@@ -400,6 +401,7 @@ class VLLMReplica:
                     if out.prompt_logprobs is not None:
                         prompt_logprobs = [None if e is None else logprob_entries(e) for e in out.prompt_logprobs]
                 pool_timing = from_params(out.kv_transfer_params) if out.finished else None
+                finished = out.finished
                 for comp in out.outputs:
                     yield GenerateChunk(
                         index=comp.index,
@@ -425,7 +427,7 @@ class VLLMReplica:
             await self.engine.abort(request.request_id)
             raise
         finally:
-            self.kv_occupancy.end(request.request_id, time.monotonic())
+            self.kv_occupancy.end(request.request_id, time.monotonic(), finished)
             if first:
                 self.waiting -= 1
                 self.waiting_tokens -= work[0]

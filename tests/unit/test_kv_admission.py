@@ -74,6 +74,15 @@ def test_generated_tokens_grow_the_tail_and_shorten_the_wait() -> None:
     assert len(t) == 0 and t.occupancy() == KvOccupancy(capacity_tokens=40, held_tokens=0, releases=[], pinned=[])
 
 
+def test_an_aborted_request_frees_its_kv_and_teaches_nothing() -> None:
+    t = _tracker_with_rate()
+    t.start("gone", [b"a"], 4, 500)
+    t.generated("gone", 1, now=2.0)
+    t.generated("gone", 2, now=5.0)  # 1.5 s per token: a stalled client, cut off
+    t.end("gone", now=5.0, finished=False)
+    assert len(t) == 0 and t.decode_s_per_token == pytest.approx(0.1) and t.output_tokens == 11
+
+
 def test_the_report_carries_it_on_the_wire() -> None:
     occ = KvOccupancy(capacity_tokens=6144, held_tokens=4608, releases=[KvRelease(0.2, 2304), KvRelease(0.9, 2304)],
                       pinned=[key_id(k) for k in router_keys(36)])
