@@ -10,8 +10,7 @@ they need to price that wait (``router.hub.KvOccupancy`` in every load report).
 
 Who calls it: ``deployments.replica`` — ``start`` when a request arrives, ``generated`` per output chunk, ``end``
 when it ends (finished, failed or cancelled: only a finished one updates the rates), ``occupancy`` for each load
-report. One per replica, on its event
-loop (not thread-safe).
+report. One per replica, on its event loop (not thread-safe).
 
 The model (vLLM v1's block manager as it admits and frees; blocks of ``block_size`` tokens, the router's block
 keys are the engine's blocks):
