@@ -576,28 +576,26 @@ def _formula(
 ) -> tuple[str, dict[str, float]]:
     """The chosen candidate's formula with its values (Dynamo-selector style). ``kv_wait``: the KV admission wait
     its queue includes (shown as a term of the queue)."""
-    if kv_wait > 0:
-        text, values = _formula(r, d, total, g, prompt, bs, hits, tiers, staged)
-        return (text.replace(f"queue {r.queue_delay_s:.4f}", f"queue {r.queue_delay_s:.4f} + kv admission "
-                             f"{kv_wait:.4f}", 1), {**values, "kv_wait_s": kv_wait})
     co = g.co
     a, hi, start, end = d.action, d.hit, d.start, d.end
     q = r.queue_delay_s
+    queue = f"queue {q:.4f}" + (f" + kv admission {kv_wait:.4f}" if kv_wait > 0 else "")
+    kv = {"kv_wait_s": kv_wait} if kv_wait > 0 else {}
     if a == _RECOMPUTE:
         pre = co.prefill(prompt, 0.0)
         return (
-            f"recompute on {r.replica_id}: ttft = queue {q:.4f} + prefill({prompt:.0f} tok) {pre:.4f} = {total:.4f}s",
-            {"queue_s": q, "prefill_s": pre, "ttft_s": total},
+            f"recompute on {r.replica_id}: ttft = {queue} + prefill({prompt:.0f} tok) {pre:.4f} = {total:.4f}s",
+            {"queue_s": q, **kv, "prefill_s": pre, "ttft_s": total},
         )
     if a == _HOLDER:
         cached = float(d.reused)
         pre = co.prefill(prompt, cached)
         return (
             (
-                f"holder {r.replica_id}: ttft = queue {q:.4f} + prefill({prompt:.0f}−{cached:.0f} cached tok) "
+                f"holder {r.replica_id}: ttft = {queue} + prefill({prompt:.0f}−{cached:.0f} cached tok) "
                 f"{pre:.4f} = {total:.4f}s"
             ),
-            {"queue_s": q, "prefill_s": pre, "ttft_s": total},
+            {"queue_s": q, **kv, "prefill_s": pre, "ttft_s": total},
         )
     hit = hits[hi][0]
     same = hit.node_id == r.node_id
@@ -613,11 +611,12 @@ def _formula(
         mb = (moved * co.kvb + co.state) / 1e6
         return (
             (
-                f"fetch blocks [{start},{end}) from {where} onto {r.replica_id}: ttft = queue {q:.4f} + shard "
+                f"fetch blocks [{start},{end}) from {where} onto {r.replica_id}: ttft = {queue} + shard "
                 f"queue {hit.queue_delay_s:.4f} + fetch({co.lat[cls_index]:.4f} + {mb:.1f} MB / {bw:.1f} GB/s) "
                 f"{fetch:.4f} + prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
             ),
-            {"queue_s": q, "shard_queue_s": hit.queue_delay_s, "fetch_s": fetch, "prefill_s": pre, "ttft_s": total},
+            {"queue_s": q, **kv, "shard_queue_s": hit.queue_delay_s, "fetch_s": fetch, "prefill_s": pre,
+             "ttft_s": total},
         )
     hbm_tokens = float(d.reused - (end - start) * bs)
     head_end = float(start * bs)
@@ -631,17 +630,17 @@ def _formula(
                else f"nothing to pull ({where}) 0")
         return (
             (
-                f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
+                f"split on {r.replica_id}: ttft = {queue} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
                 f"{head:.4f}, {leg}) + load blocks [{start},{end}) from the node's shard {arrive:.4f} + "
                 f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
             ),
-            {"queue_s": q, "head_s": head, "fetch_s": pull, "load_s": arrive, "prefill_s": pre, "ttft_s": total},
+            {"queue_s": q, **kv, "head_s": head, "fetch_s": pull, "load_s": arrive, "prefill_s": pre, "ttft_s": total},
         )
     return (
         (
-            f"split on {r.replica_id}: ttft = queue {q:.4f} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
+            f"split on {r.replica_id}: ttft = {queue} + max(compute [{hbm_tokens:.0f},{head_end:.0f}) "
             f"{head:.4f}, shard queue + fetch blocks [{start},{end}) from {where} {arrive:.4f}) + "
             f"prefill({prompt:.0f}−{c:.0f} cached tok) {pre:.4f} = {total:.4f}s"
         ),
-        {"queue_s": q, "head_s": head, "fetch_s": arrive, "prefill_s": pre, "ttft_s": total},
+        {"queue_s": q, **kv, "head_s": head, "fetch_s": arrive, "prefill_s": pre, "ttft_s": total},
     )
