@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim_cache import BlockCache, BlockHolders
+from bench.sim_kv import SimKvCache
+from deployments.kv_occupancy import KvOccupancyTracker
 from router.cost import Hardware
+from router.kv_admission import KvAdmission
 from router.policies.base import PoolHit, ReplicaState, StorageTier
 
 
@@ -42,6 +45,12 @@ class SimReplica:
     # were last advanced
     ps_jobs: list[list[Any]] = field(default_factory=list)
     ps_t: float = 0.0
+    # ``SimConfig.kv_admission``: the engine's KV admission, and what the replica reports of it (as the live replica
+    # does: ``deployments.kv_occupancy``), rebuilt into ``kv_view`` when the tracker changed (``kv_stale``)
+    kv: SimKvCache | None = None
+    tracker: KvOccupancyTracker | None = None
+    kv_view: KvAdmission | None = None
+    kv_stale: bool = False
 
     _last: ReplicaState | None = None
 
@@ -63,6 +72,11 @@ class SimReplica:
                 waiting += 1
             queue = self.free_at - now
         running = len(pf) - waiting + len(dec)
+        kv = self.kv_view
+        if self.kv_stale and self.tracker is not None:
+            occupancy = self.tracker.occupancy()
+            kv = self.kv_view = None if occupancy is None else KvAdmission.of(occupancy, now)
+            self.kv_stale = False
         last = self._last
         if (
             last is not None
@@ -70,6 +84,7 @@ class SimReplica:
             and last.waiting == waiting
             and last.queue_delay_s == queue
             and last.hbm_prefix_blocks == hbm_prefix_blocks
+            and last.kv is kv
         ):
             return last
         self._last = last = ReplicaState(
@@ -80,6 +95,7 @@ class SimReplica:
             queue_delay_s=queue,
             hbm_prefix_blocks=hbm_prefix_blocks,
             hw=self.hw,
+            kv=kv,
         )
         return last
 

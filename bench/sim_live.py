@@ -11,7 +11,8 @@ log and decision records) and simulates every configuration on what that run saw
   shared by the sessions of that variant; a partial last block gets an id of its own.
 - **the cluster**: the local one (2 nodes, one replica each; ``--nodes`` / ``--replicas-per-node``), each replica
   running its prefills in flight together (``engine_sharing="batch"``: vLLM's continuous batching), its KV cache as
-  configured (``kv_cache_memory_bytes`` / the model's KV bytes per token), the pool on or off as the
+  configured (``kv_cache_memory_bytes`` / the model's KV bytes per token) both as its prefix cache and as what
+  admits a request (``kv_admission``: a prompt waits until its blocks fit, as in vLLM), the pool on or off as the
   configuration ran, the policy it ran (the Ray Serve LLM anchor as ``prefix_affinity`` without a pool: its
   ``PrefixCacheAffinityRouter`` routes on the longest prefix match).
 - **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
@@ -274,7 +275,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
             prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
-            request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch"))
+            request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch", kv_admission=True))
         sim_ttft = with_outside_router(result.ttft_s, c, rng)
         live_ttft = ttfts(e["result"])
         live.setdefault(config, []).extend(live_ttft)

@@ -24,6 +24,11 @@ One request, at its arrival time t (requests are processed in arrival order, tie
 5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
    its node's shard when its prefill ends (``pool_write``), evicting LRU blocks from DRAM to SSD. With
    ``pool_touch`` (default, as the replicas do) the blocks it reused from HBM are refreshed in its node's shard.
+6. with ``kv_admission`` (batch engines only) a dispatched prompt waits until its blocks fit in the replica's KV
+   cache (``bench.sim_kv``: the blocks its admitted requests hold until their decode ends), and every replica
+   reports its occupancy as the live ones do (``deployments.kv_occupancy``'s tracker, fed at dispatch, first token
+   and decode end), so the router's ``ReplicaState.kv`` is what a live router would see. A waiting prompt counts as
+   waiting with its work queued; its fetch is priced from its dispatch (a simplification).
 
 Hit accounting is token-weighted over a trace's hash-id blocks, the last (partial) block included, so with
 unbounded caches and one replica the hit rate equals the trace's own bound (``bench.traces.prefix_reuse_bound``).
@@ -44,8 +49,10 @@ from typing import Any, Literal
 import numpy as np
 
 from bench.sim_cluster import SimCluster, SimReplica
+from bench.sim_kv import KvHold, SimKvCache, hold_of
 from bench.stats import summarize
 from bench.traces import TraceRecord
+from deployments.kv_occupancy import KvOccupancyTracker
 from kvpool.keys import BlockKey
 from router.cost import GIB, Hardware, kv_bytes_per_token, t_fetch, t_prefill
 from router.policies.base import Action, ClusterSnapshot, PoolHit, RouteRequest
@@ -85,6 +92,10 @@ class SimConfig:
     # The replicas' connector loads the longest pool prefix beyond the HBM prefix when the router planned no fetch
     # (what the live replicas do: ``connector_pick``); False: only the router's FETCH / SPLIT plans move blocks.
     connector_fetch: bool = True
+    # The engine admits a request only when its KV fits in the replica's KV cache (``hbm_tokens``), as vLLM does
+    # (``bench.sim_kv``), and each replica reports its occupancy to the router as the live ones do (``KvAdmission``
+    # in its state: cost_based prices the wait). Needs engine_sharing "batch"; without a bound on hbm_tokens, a no-op.
+    kv_admission: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.replicas_per_node < 1:
@@ -99,6 +110,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
         if self.engine_sharing not in ("fifo", "batch"):
             raise ValueError(f"engine_sharing must be fifo or batch, got {self.engine_sharing!r}")
+        if self.kv_admission and self.engine_sharing != "batch":
+            raise ValueError("kv_admission needs engine_sharing='batch' (a FIFO engine admits one request at a time)")
         if self.pool_write not in ("computed", "all", "none"):
             raise ValueError(f"pool_write must be computed, all or none, got {self.pool_write!r}")
 
@@ -133,6 +146,7 @@ class SimConfig:
             "request_overhead_s": self.request_overhead_s,
             "connector_fetch": self.connector_fetch,
             "engine_sharing": self.engine_sharing,
+            "kv_admission": self.kv_admission,
         }
 
 
@@ -252,6 +266,11 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         pool_dram_tokens=config.pool_dram_tokens,
         pool_ssd_tokens=config.pool_ssd_tokens,
     )
+    if config.kv_admission and math.isfinite(config.hbm_tokens) and config.hbm_tokens >= 1 and records:
+        block_tokens = records[0].block_tokens
+        for r in cluster.replicas:
+            r.kv = SimKvCache(int(config.hbm_tokens), block_tokens)
+            r.tracker = KvOccupancyTracker(block_tokens, int(config.hbm_tokens))
     now = 0.0
     policy = make_policy(
         config.policy, rng=random.Random(config.seed), tier_map=tiers, **dict(config.policy_options)
@@ -291,16 +310,45 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         decode_end = end_t + job.output_length * _decode_step_s(hw, job.prompt + job.output_length // 2)
         heapq.heappush(rep.decodes, decode_end)
         makespan = max(makespan, decode_end)
+        if job.hold is not None and rep.kv is not None and rep.tracker is not None:
+            rep.kv.finish(job.hold, decode_end)
+            rep.tracker.generated(_kv_id(job), 1, end_t)
+            rep.kv_stale = True
         if job.new_blocks:
             heapq.heappush(commits, (end_t, seq, rep.shard_index, job.new_blocks, job.new_tokens))
             seq += 1
+
+    def advance(rep: SimReplica, t: float) -> None:
+        """Run ``rep``'s batch engine up to ``t``; with KV admission, decode ends free KV and admit the requests
+        waiting for it, in time order with the prefills' ends (a prefill's end makes its decode end known)."""
+        kv = rep.kv
+        if kv is None:
+            _ps_advance(rep, t, finish)
+            return
+        while True:
+            r = kv.next_end()
+            if _ps_step(rep, min(t, r), finish):
+                continue
+            if r > t or math.isinf(r):
+                return
+            for hold in kv.release(r):
+                _kv_ended(rep, hold, r)
+            admit(rep, r)
+
+    def admit(rep: SimReplica, at: float) -> None:
+        """The requests waiting for KV on ``rep`` that fit at ``at`` start their prefill then."""
+        assert rep.kv is not None
+        for hold in rep.kv.admit():
+            if not rep.ps_jobs:
+                rep.ps_t = at
+            rep.ps_jobs.append([hold.job.service, hold.job])
 
     for k, rec in enumerate(records):
         now = rec.timestamp_s
         if shared:
             for rep in replicas:
-                if rep.ps_jobs:
-                    _ps_advance(rep, now, finish)
+                if rep.ps_jobs or (rep.kv is not None and rep.kv.busy()):
+                    advance(rep, now)
                     _ps_queue(rep, now)
         while commits and commits[0][0] <= now:
             _t, _s, shard_i, done_blocks, done_tokens = heapq.heappop(commits)
@@ -390,8 +438,17 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
             else:  # what this prefill computed: a SPLIT's head and everything after the reused prefix
                 new_blocks = blocks[hbm_blocks:head_blocks] + blocks[cached_blocks:]
                 new_tokens = lengths[hbm_blocks:head_blocks] + lengths[cached_blocks:]
-        job = _Job(k, now, rec.output_length, prompt, new_blocks, new_tokens)
-        if shared:
+        job = _Job(k, now, rec.output_length, prompt, new_blocks, new_tokens, service)
+        if shared and rep.kv is not None and rep.tracker is not None:  # it waits until its KV fits
+            job.hold = hold_of(blocks, prompt, rec.block_tokens, job)
+            rep.kv.request(job.hold)
+            rep.tracker.start(_kv_id(job), [BlockKey(b.to_bytes(16, "little")) for b in job.hold.blocks], prompt,
+                              rec.output_length)
+            rep.kv_stale = True
+            admit(rep, now)
+            _ps_queue(rep, now)
+            cluster.mark_busy(rep)
+        elif shared:
             if not rep.ps_jobs:  # an idle engine starts now (a busy one was advanced to now above)
                 rep.ps_t = now
             rep.ps_jobs.append([service, job])
@@ -404,9 +461,9 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
             rep.prefills.append((start, end_t))
             finish(rep, job, end_t)
 
-    if shared:  # the prefills still running at the end of the trace
+    if shared:  # the prefills still running (or waiting for KV) at the end of the trace
         for rep in replicas:
-            _ps_advance(rep, math.inf, finish)
+            advance(rep, math.inf)
     evicted = {"hbm": sum(r.hbm.evicted_tokens for r in replicas)}
     if cluster.pool_enabled:
         evicted["dram"] = sum(s.dram.evicted_tokens for s in cluster.shards)
@@ -441,37 +498,66 @@ class _Job:
     prompt: int
     new_blocks: list[int]  # what it computed, committed to the node's shard when it ends
     new_tokens: list[int]
+    service: float = 0.0  # its solo service time (fetch + prefill)
+    hold: KvHold | None = None  # its KV (``SimConfig.kv_admission``)
+
+
+def _kv_id(job: _Job) -> str:
+    return f"k{job.k}"
+
+
+def _kv_ended(rep: SimReplica, hold: KvHold, at: float) -> None:
+    """``hold``'s request decoded its last token at ``at``: the replica's tracker learns it, as the live one does."""
+    job: _Job = hold.job
+    if rep.tracker is not None:
+        if job.output_length > 1:
+            rep.tracker.generated(_kv_id(job), job.output_length - 1, at)
+        rep.tracker.end(_kv_id(job), at)
+        rep.kv_stale = True
 
 
 def _ps_advance(rep: SimReplica, t: float, finish: Any) -> None:
     """Run ``rep``'s shared engine up to ``t``: the prefills in flight split its compute evenly (vLLM's continuous
     batching); each that completes is ``finish``ed at its end time."""
+    while _ps_step(rep, t, finish):
+        pass
+
+
+def _ps_step(rep: SimReplica, t: float, finish: Any) -> bool:
+    """Run ``rep``'s shared engine until its next prefills complete (True: ``finish``ed at their end time, the
+    engine's time is then) or until ``t`` (False)."""
     jobs, tt = rep.ps_jobs, rep.ps_t
-    while jobs:
-        n = len(jobs)
-        m = min(j[0] for j in jobs)
-        if tt + m * n <= t:
-            tt += m * n
-            for j in jobs:
-                j[0] -= m
-            done = [j for j in jobs if j[0] <= 1e-12]
-            jobs[:] = [j for j in jobs if j[0] > 1e-12]
-            for j in done:
-                finish(rep, j[1], tt)
-        else:
-            step = (t - tt) / n
-            for j in jobs:
-                j[0] -= step
-            tt = t
-            break
-    rep.ps_t = tt if jobs else max(tt, t) if math.isfinite(t) else tt
+    if not jobs:
+        if math.isfinite(t):
+            rep.ps_t = max(tt, t)
+        return False
+    n = len(jobs)
+    m = min(j[0] for j in jobs)
+    if tt + m * n <= t:
+        tt += m * n
+        for j in jobs:
+            j[0] -= m
+        done = [j for j in jobs if j[0] <= 1e-12]
+        jobs[:] = [j for j in jobs if j[0] > 1e-12]
+        rep.ps_t = tt
+        for j in done:
+            finish(rep, j[1], tt)
+        return True
+    step = (t - tt) / n
+    for j in jobs:
+        j[0] -= step
+    rep.ps_t = t
+    return False
 
 
 def _ps_queue(rep: SimReplica, now: float) -> None:
-    """What the router sees of a shared engine: every prefill in flight running, the work left as its queue."""
-    rep.free_at = now + sum(j[0] for j in rep.ps_jobs)
+    """What the router sees of a shared engine: every prefill in flight running, the work left as its queue (the
+    prefills waiting for KV waiting, their work queued behind)."""
+    waiting = rep.kv.waiting_holds() if rep.kv is not None else ()
+    rep.free_at = now + sum(j[0] for j in rep.ps_jobs) + sum(h.job.service for h in waiting)
     rep.prefills.clear()
     rep.prefills.extend((now, rep.free_at) for _ in rep.ps_jobs)
+    rep.prefills.extend((math.inf, rep.free_at) for _ in waiting)
 
 
 def connector_pick(hits: Sequence[PoolHit], hbm_blocks: int, limit: int, node_id: str) -> PoolHit | None:

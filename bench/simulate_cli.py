@@ -86,6 +86,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="HBM hits do not refresh the node shard's copies (the replicas do by default)")
     g.add_argument("--policy-option", type=parse_option, action="append", default=[], metavar="KEY=VALUE")
     g.add_argument("--anti-herding", action="store_true", help="let the runner add its in-flight assignments")
+    g.add_argument("--engine-sharing", choices=["fifo", "batch"], default="fifo",
+                   help="fifo: one prefill at a time per replica; batch: the prefills in flight share the engine "
+                        "(vLLM's continuous batching)")
+    g.add_argument("--kv-admission", action="store_true",
+                   help="an engine admits a request only when its prompt fits in the KV cache (--hbm-tokens), and "
+                        "the replicas report their KV occupancy to the router (needs --engine-sharing batch)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +175,8 @@ def run_policy_full(setup: SimSetup, args: argparse.Namespace, policy: str) -> t
         seed=args.seed,
         policy_options=dict(args.policy_option),
         anti_herding=args.anti_herding,
+        engine_sharing=args.engine_sharing,
+        kv_admission=args.kv_admission,
     )
     result = simulate(setup.records, config)
     out = result.to_json()
