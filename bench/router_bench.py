@@ -20,7 +20,10 @@ arrives between decisions; ``--inflight N`` keeps this router's last N assignmen
 requests between decision and first token, which the runner adds to the snapshot), ``--reports-per-decision K``
 applies K replica load reports between decisions (rebuilt states are paid in the next decision), and
 ``--hw-variants V`` gives the replicas V distinct fitted MFUs (calibrated replicas; the policy prices each
-hardware object once per request). The GC is frozen after the index is built, as a long-running router would
+hardware object once per request). Every replica reports its KV cache's occupancy, as live ones do
+(``router.kv_admission``; a 512k-token cache half free, 8 requests in flight holding 256 keys); ``--kv-short F``
+gives a fraction F of them almost none free (default 0: the steady state), so that every prompt waits there and the
+policy prices the wait; ``--no-kv``: no replica reports it (the router as it was before KV admission was priced). The GC is frozen after the index is built, as a long-running router would
 after warm-up, so a full collection does not walk a million keys inside a decision.
 
 Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` on this machine, ~7 µs on a
@@ -68,6 +71,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "between its decision and its first token)")
     parser.add_argument("--reports-per-decision", type=int, default=0,
                         help="replica load reports applied between two decisions")
+    parser.add_argument("--kv-short", type=float, default=0.0,
+                        help="fraction of the replicas whose KV cache is almost full (the others' half free)")
+    parser.add_argument("--no-kv", dest="kv", action="store_false",
+                        help="the replicas do not report their KV cache's occupancy")
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -91,7 +98,8 @@ class _Cluster:
     replica list in), shard event batches, and the calibrator's MFU fits (``hw_variants`` distinct fitted MFUs:
     each one a hardware object the policy prices once per request, as a live router with calibrated replicas does)."""
 
-    def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random, hw_variants: int = 1) -> None:
+    def __init__(self, n_rep: int, per_node: int, hw: Any, rng: random.Random, hw_variants: int = 1,
+                 kv_short: float | None = 0.0) -> None:
         from router import cost
         from router.calibration import MFU_GRID_STEP, Calibrator
         from router.index import PrefixIndex
@@ -103,18 +111,37 @@ class _Cluster:
         calibrator = Calibrator(bw_util=hw.bw_util)
         self.book = ReplicaBook(ttl_s=1e9, calibrator=calibrator, hardware=lambda: hw)
         self.ids = [f"r{i}" for i in range(n_rep)]
+        self.kv_short = kv_short
+        self._kv_rng = random.Random(0x6B76)  # its own: the cluster is the same with and without --no-kv
         for i, rid in enumerate(self.ids):
             variant = i % hw_variants
             if variant:  # a fitted MFU 3 grid steps per variant away from the configured one, on enough prefills
                 mfu = hw.mfu * (1 + MFU_GRID_STEP) ** (-3 * variant)  # to price it although the fleet's is faster
                 for tokens in (1000, 4000, 16000, 32000, 64000) * -(-calibrator.trust_obs // 5):
                     calibrator.observe_prefill(rid, hw, tokens, 0, cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu))
-            self.book.report(rid, f"node-{i // per_node}", rng.randint(0, 8), rng.randint(0, 4), self.now, None)
+            self.book.report(rid, f"node-{i // per_node}", rng.randint(0, 8), rng.randint(0, 4), self.now, None,
+                             kv=self.kv_report())
             self.book.observe_ttft(rid, rng.uniform(0.0, 0.05))
         self.shards = [(f"s{j}", f"node-{j}") for j in range(self.n_nodes)]
         self.index = PrefixIndex(ttl_s=1e9, clock=self.clock)
         self._seqs: dict[str, int] = {}
         self._rng = rng
+
+    def kv_report(self) -> Any:
+        """A replica's KV occupancy as its load report carries it (None: ``--no-kv``)."""
+        short, rng = self.kv_short, self._kv_rng
+        if short is None:
+            return None
+        from router.hub import KvOccupancy, KvRelease
+        from router.kv_admission import KvAdmission
+
+        capacity = 512 * 1024
+        free = rng.randrange(0, 1024) if rng.random() < short else capacity // 2
+        releases = [KvRelease(0.05 * (k + 1) + rng.uniform(0.0, 0.05), capacity // 16) for k in range(8)]
+        pinned = [rng.getrandbits(64) for _ in range(256)]
+        occupancy = KvOccupancy(capacity_tokens=capacity, held_tokens=capacity - free, releases=releases,
+                                pinned=pinned)
+        return KvAdmission.of(occupancy, self.now)
 
     @property
     def replicas(self) -> Any:
@@ -127,7 +154,7 @@ class _Cluster:
         """One replica's load report (its running / waiting moved), as the hub delivers them between decisions."""
         i = self._rng.randrange(len(self.ids))
         self.book.report(self.ids[i], f"node-{i // self.per_node}", self._rng.randint(0, 8), self._rng.randint(0, 4),
-                         self.now, None)
+                         self.now, None, kv=self.kv_report())
 
     def hbm_store(self, i: int, keys: list[bytes]) -> None:
         from router.hub import ReplicaReport
@@ -270,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--block-size, --iters and --replicas-per-node must be positive")
     if args.cold < 0:
         raise SystemExit("--cold must be >= 0")
+    if not 0.0 <= args.kv_short <= 1.0:
+        raise SystemExit("--kv-short must be a fraction in [0, 1]")
     if args.hw_variants < 1 or args.inflight < 0 or args.reports_per_decision < 0:
         raise SystemExit("--hw-variants must be >= 1, --inflight and --reports-per-decision >= 0")
     hw = Hardware(
@@ -302,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
     cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5, timer=time.thread_time)) / 2000 * 1e6
     rows: list[dict[str, Any]] = []
     for n_rep in replica_counts:
-        cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng, hw_variants=args.hw_variants)
+        cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng, hw_variants=args.hw_variants,
+                           kv_short=args.kv_short if args.kv else None)
         for variants in prompts.values():
             for v, keys in enumerate(variants):
                 cluster.place_prompt(v, keys)
@@ -321,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
                 row.update(_measure(cluster, runner, requests, args.iters, inflight=args.inflight,
                                     reports=args.reports_per_decision))
                 row["hw_variants"] = args.hw_variants
+                row["kv_short"] = args.kv_short if args.kv else None
                 row.update(hash_us=round(hash_us[size][0], 1), hash_cpu_us=round(hash_us[size][1], 1),
                            cpu_ref_us=round(cpu_ref_us, 1))
                 rows.append(row)

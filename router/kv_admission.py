@@ -15,7 +15,7 @@ replica's requests end in the order it reported), at most until the last one end
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
 import msgspec
@@ -44,15 +44,9 @@ class KvAdmission(msgspec.Struct, frozen=True):
                    None if occupancy.pinned is None else frozenset(occupancy.pinned))
 
     def wait_s(self, need_tokens: float, now: float) -> float:
-        short = need_tokens - self.free_tokens
-        if short <= 0:
-            return 0.0
-        at = self.release_at
-        if not at:
-            return 0.0  # nothing in flight to wait for: the request cannot fit at all (vLLM refuses it)
-        i = bisect_left(self.freed, short)
-        t = at[i] if i < len(at) else at[-1]
-        return t - now if t > now else 0.0
+        """How long ``need_tokens`` wait on this replica from ``now`` (the module docstring)."""
+        waits = admission_waits((self,), (0,), need_tokens, now)
+        return waits[0][1] if waits else 0.0
 
     def claimed(self, tokens: int) -> KvAdmission:
         """The same occupancy with ``tokens`` more held (assignments the replica has not reported yet)."""
@@ -72,3 +66,25 @@ class KvAdmission(msgspec.Struct, frozen=True):
             else:
                 hi = mid - 1
         return lo
+
+
+def admission_waits(kvs: Sequence[KvAdmission | None], indices: Iterable[int], need_tokens: float,
+                    now: float) -> list[tuple[int, float]]:
+    """``(i, wait_s)`` for each ``kvs[i]`` (``i`` in ``indices``; each reported) on which ``need_tokens`` wait: the
+    module docstring's ``wait_s``, over many replicas in one loop (``cost_based`` prices every replica short of KV
+    per request)."""
+    out: list[tuple[int, float]] = []
+    for i in indices:
+        k = kvs[i]
+        assert k is not None
+        short = need_tokens - k.free_tokens
+        if short <= 0:
+            continue
+        at = k.release_at
+        if not at:
+            continue  # nothing in flight to wait for: the request cannot fit at all (vLLM refuses it)
+        j = bisect_left(k.freed, short)
+        t = at[j] if j < len(at) else at[-1]
+        if t > now:
+            out.append((i, t - now))
+    return out

@@ -34,7 +34,7 @@ from router.calibration import Calibrator
 from router.cost import Hardware, effective_flops, work_flops
 from router.hub import ReplicaPlacement
 from router.kv_admission import KvAdmission
-from router.policies.base import ReplicaColumns, ReplicaState
+from router.policies.base import ReplicaColumns, ReplicaState, kv_free_tokens
 
 
 @dataclass(slots=True)
@@ -147,6 +147,7 @@ class ReplicaBook:
                     cols.nodes[i], cols.hws[i], cols.hw_ids[i] = state.node_id, hw, id(hw)
                     cols.queues[i] = state.queue_delay_s
                     cols.kv[i] = state.kv
+                    cols.kv_free[i] = kv_free_tokens(state.kv)
             self._dirty.clear()
             if not in_place:
                 self._list = None

@@ -99,18 +99,29 @@ class ReplicaColumns:
     queues: list[float]  # queue_delay_s
     hbm: list[int]  # hbm_prefix_blocks
     kv: list[KvAdmission | None]  # kv
+    kv_free: list[float]  # kv's free tokens (inf: not reported): the replicas a prompt may wait on, found in C
 
     @classmethod
     def of(cls, replicas: Sequence[ReplicaState]) -> ReplicaColumns:
         hws = [r.hw for r in replicas]
+        kv = [r.kv for r in replicas]
         return cls([r.replica_id for r in replicas], [r.node_id for r in replicas], hws, list(map(id, hws)),
                    [r.queue_delay_s for r in replicas], [r.hbm_prefix_blocks for r in replicas],
-                   [r.kv for r in replicas])
+                   kv, list(map(kv_free_tokens, kv)))
 
     def with_changes(self, *, queues: list[float] | None = None, hbm: list[int] | None = None,
-                     kv: list[KvAdmission | None] | None = None) -> ReplicaColumns:
+                     kv: list[KvAdmission | None] | None = None, kv_free: list[float] | None = None) -> ReplicaColumns:
+        """A copy with the given columns replaced (``kv`` without ``kv_free``: the free tokens read from it)."""
+        if kv is not None and kv_free is None:
+            kv_free = list(map(kv_free_tokens, kv))
         return ReplicaColumns(self.ids, self.nodes, self.hws, self.hw_ids, self.queues if queues is None else queues,
-                              self.hbm if hbm is None else hbm, self.kv if kv is None else kv)
+                              self.hbm if hbm is None else hbm, self.kv if kv is None else kv,
+                              self.kv_free if kv_free is None else kv_free)
+
+
+def kv_free_tokens(kv: KvAdmission | None) -> float:
+    """``ReplicaColumns.kv_free`` of one replica."""
+    return float("inf") if kv is None else kv.free_tokens
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):

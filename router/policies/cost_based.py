@@ -64,7 +64,7 @@ from operator import itemgetter
 from typing import ClassVar, NamedTuple
 
 from router.cost import GB
-from router.kv_admission import KvAdmission
+from router.kv_admission import KvAdmission, admission_waits
 from router.policies.base import (
     Action,
     Candidate,
@@ -388,16 +388,17 @@ class CostBased(RoutingPolicy):
         # KV admission (``router.kv_admission``): a replica whose KV cache cannot take the prompt now adds the wait
         # until its running requests free enough to its queue (need: the whole prompt; a holder's is priced below
         # with the part of its HBM prefix that running requests hold taken off). Replicas that do not report their
-        # KV cache wait for nothing.
-        kvs: list[KvAdmission | None] | None = cols.kv if any(cols.kv) else None
+        # KV cache wait for nothing. The replicas whose KV cache cannot take the prompt now are found in C (the
+        # ``kv_free`` column), and the wait is priced for them alone.
+        kvs: list[KvAdmission | None] | None = None
         now = cluster.now
-        if kvs is not None:
-            waits = [0.0 if k is None else k.wait_s(prompt, now) for k in kvs]
-            if any(waits):
-                base_qs = qs
-                qs = [q + w for q, w in zip(qs, waits)]
-            else:
-                kvs = None
+        kv_free = cols.kv_free
+        if kv_free and prompt > min(kv_free):
+            waits = admission_waits(cols.kv, compress(range(n), map(prompt.__gt__, kv_free)), prompt, now)
+            if waits:
+                base_qs, kvs, qs = qs, cols.kv, qs[:]
+                for i, w in waits:
+                    qs[i] += w
         if self._rng is not None and n > 1:
             s = int(self._rng.random() * n)
             if s:

@@ -48,6 +48,7 @@ from router.policies.base import (
     ReplicaState,
     RouteRequest,
     RoutingPolicy,
+    kv_free_tokens,
 )
 from router.policies.cost_based import CostBased
 from router.policies.least_loaded import LeastLoaded
@@ -316,6 +317,7 @@ class PolicyRunner:
         ids = cols.ids if cols is not None else [r.replica_id for r in replicas]  # unique in a snapshot
         queues = cols.queues[:] if cols is not None and extra else None
         kvs = cols.kv[:] if cols is not None and claims else None
+        frees = cols.kv_free[:] if cols is not None and claims else None
         for rid, (count, added_s) in extra.items():  # a few replicas: their positions found by C scans
             if rid in ids:
                 i = ids.index(rid)
@@ -329,10 +331,11 @@ class PolicyRunner:
                 r = replicas[i]
                 if r.kv is not None:
                     replicas[i] = replace_struct(r, kv=r.kv.claimed(tokens))
-                    if kvs is not None:
+                    if kvs is not None and frees is not None:
                         kvs[i] = replicas[i].kv
+                        frees[i] = kv_free_tokens(replicas[i].kv)
         return ClusterSnapshot(replicas, snapshot.pool_hits,
-                               None if cols is None else cols.with_changes(queues=queues, kv=kvs))
+                               None if cols is None else cols.with_changes(queues=queues, kv=kvs, kv_free=frees))
 
 
 def _find(replicas: Sequence[ReplicaState], replica_id: str) -> ReplicaState | None:
