@@ -23,8 +23,9 @@ applies K replica load reports between decisions (rebuilt states are paid in the
 hardware object once per request). Every replica reports its KV cache's occupancy, as live ones do
 (``router.kv_admission``; a 512k-token cache half free, 8 requests in flight holding 256 keys); ``--kv-short F``
 gives a fraction F of them almost none free (default 0: the steady state), so that every prompt waits there and the
-policy prices the wait; ``--no-kv``: no replica reports it (the router as it was before KV admission was priced). The GC is frozen after the index is built, as a long-running router would
-after warm-up, so a full collection does not walk a million keys inside a decision.
+policy prices the wait; ``--no-kv``: no replica reports it (the router as it was before KV admission was priced).
+The GC is frozen after the index is built, as a long-running router would after warm-up, so a full collection does
+not walk a million keys inside a decision.
 
 Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` on this machine, ~7 µs on a
 modern desktop core with CPython 3.11) so runs on different or shared machines can be compared.
