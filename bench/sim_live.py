@@ -299,7 +299,8 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     return {"schema": "kvstack.sim_live/v1", "work_dir": str(work), "tolerance": TOLERANCE,
             "cluster": {"nodes": nodes, "replicas_per_node": replicas_per_node, "hbm_tokens": hbm_tokens,
                         "pool_dram_tokens": pool_dram, "block_size": settings["block_size"],
-                        "model_spec": settings["model_spec"], "gpu_profile": settings["gpu_profile"]},
+                        "model_spec": settings["model_spec"], "gpu_profile": settings["gpu_profile"],
+                        "kv_admission": True},
             "configurations": configs, "live_order_by_p50": live_order, "sim_order_by_p50": sim_order,
             "same_order": live_order == sim_order, "all_p50_within": all(c["p50_within"] for c in configs),
             "runs": runs}
@@ -312,7 +313,8 @@ def render(doc: Mapping[str, Any]) -> str:
     cl = doc["cluster"]
     lines = ["# The simulator against the live run", "",
              f"Work dir `{doc['work_dir']}`; simulated cluster: {cl['nodes']} nodes × {cl['replicas_per_node']} "
-             f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica, pool DRAM {cl['pool_dram_tokens']:.0f} "
+             f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica (its prefix cache, and what admits a prompt"
+             f"{'' if cl.get('kv_admission') else ': not modelled'}), pool DRAM {cl['pool_dram_tokens']:.0f} "
              f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}` with "
              f"the MFU and per-prefill cost fitted to every configuration's live prefills together, and the time "
              f"outside the router's view drawn per request from the configuration's own run.", "",
