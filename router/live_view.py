@@ -182,6 +182,8 @@ class LiveView:
                              waiting_work=(report.waiting_tokens, report.waiting_tokens_sq),
                              kv=None if report.kv is None else KvAdmission.of(report.kv, sent))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
+            if report.kv is not None:
+                self.metrics.set_replica_kv(report.replica_id, report.kv.capacity_tokens, report.kv.held_tokens)
             # what it counts: the requests that reached it before it was sent (decided a transport time earlier)
             self.runner.acknowledge_replica(report.replica_id, decided_before=min(
                 now - self.settings.poll_interval_s, sent - REQUEST_TRANSPORT_S))

@@ -7,9 +7,10 @@ and a test can scrape without a Ray metrics agent; the names and labels are the 
 Who calls what: ``PolicyRunner`` calls ``observe_decision`` for every decision and ``observe_actual`` when the
 actual TTFT arrives; the live view calls ``observe_stages`` with each request's timeline (first token, then its pool
 calls once it finished); the ingress calls ``observe_tpot`` per finished stream and ``set_replica_load`` when load
-reports arrive; the live view calls ``observe_transfer`` per reported pool fetch and ``set_tier_prices`` when the
-calibrated tier prices change, and ``observe_loop_lag`` from its event-loop probe. The registry is injected (tests
-and the simulator use their own ``CollectorRegistry``).
+reports arrive (the live view ``set_replica_kv`` with a report's KV occupancy; the runner ``set_kv_claimed`` as its
+unreported assignments' KV changes); the live view calls ``observe_transfer`` per reported pool fetch and
+``set_tier_prices`` when the calibrated tier prices change, and ``observe_loop_lag`` from its event-loop probe. The
+registry is injected (tests and the simulator use their own ``CollectorRegistry``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ class RouterMetrics:
             "This router's assignments not yet reflected in the replica's load report (anti-herding)",
             ["replica"], registry=r,
         )
+        self.replica_kv_capacity = Gauge(
+            "kvstack_router_replica_kv_capacity_tokens",
+            "KV cache tokens per replica (its engine's blocks × block size), as last reported", ["replica"],
+            registry=r,
+        )
+        self.replica_kv_held = Gauge(
+            "kvstack_router_replica_kv_held_tokens",
+            "KV cache tokens the replica's in-flight requests hold or will hold once admitted, as last reported",
+            ["replica"], registry=r,
+        )
+        self.kv_claimed = Gauge(
+            "kvstack_router_kv_claimed_tokens",
+            "KV cache tokens this router's assignments will hold that the replica's load report does not count yet "
+            "(added to its held tokens when pricing the KV admission wait)", ["replica"], registry=r,
+        )
 
     def observe_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(max(0.0, seconds))
@@ -165,9 +181,17 @@ class RouterMetrics:
     def set_inflight(self, replica_id: str, count: int) -> None:
         self.inflight.labels(replica_id).set(count)
 
+    def set_replica_kv(self, replica_id: str, capacity_tokens: int, held_tokens: int) -> None:
+        self.replica_kv_capacity.labels(replica_id).set(capacity_tokens)
+        self.replica_kv_held.labels(replica_id).set(held_tokens)
+
+    def set_kv_claimed(self, replica_id: str, tokens: int) -> None:
+        self.kv_claimed.labels(replica_id).set(tokens)
+
     def forget_replica(self, replica_id: str) -> None:
         """Drop a gone replica's series (keeps the label set bounded as replicas come and go)."""
-        for g in (self.replica_load, self.replica_queue_delay, self.inflight):
+        for g in (self.replica_load, self.replica_queue_delay, self.inflight, self.replica_kv_capacity,
+                  self.replica_kv_held, self.kv_claimed):
             try:
                 g.remove(replica_id)
             except KeyError:

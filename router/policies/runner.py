@@ -276,15 +276,20 @@ class PolicyRunner:
     def _claim_kv(self, request_id: str, replica_id: str, tokens: int, now: float) -> None:
         c = _KvClaim(replica_id, tokens, now, now + self.inflight_ttl_s)
         self._kv_claims[request_id] = c
-        self._kv_per_replica[replica_id] = self._kv_per_replica.get(replica_id, 0) + tokens
+        claimed = self._kv_per_replica[replica_id] = self._kv_per_replica.get(replica_id, 0) + tokens
         self._next_expiry = min(self._next_expiry, c.expires_at)
+        if self.metrics is not None:
+            self.metrics.set_kv_claimed(replica_id, claimed)
 
     def _unclaim(self, c: _KvClaim) -> None:
         left = self._kv_per_replica.get(c.replica_id, 0) - c.tokens
         if left > 0:
             self._kv_per_replica[c.replica_id] = left
         else:
+            left = 0
             self._kv_per_replica.pop(c.replica_id, None)
+        if self.metrics is not None:
+            self.metrics.set_kv_claimed(c.replica_id, left)
 
     def _unaccount(self, p: _Pending) -> None:
         n, s = self._per_replica[p.replica_id]

@@ -85,13 +85,15 @@ def test_metrics_from_a_real_runner() -> None:
         runner.record_actual(rec.request_id, rec.predicted_ttft_s * 1.2)
     metrics.observe_tpot("cost_based", 0.02)
     metrics.set_replica_load("r0", 3, 0.25)
+    metrics.set_replica_kv("r0", 6144, 4096)
     text = generate_latest(registry).decode()
     for name in (
         "kvstack_router_requests_total", "kvstack_router_decisions_total", "kvstack_router_ttft_seconds_bucket",
         "kvstack_router_tpot_seconds_bucket", "kvstack_router_prefix_hit_tokens_total",
         "kvstack_router_ttft_prediction_error_seconds_bucket", "kvstack_router_regret_seconds_bucket",
         "kvstack_router_replica_load", "kvstack_router_decision_latency_seconds_bucket",
-        "kvstack_router_inflight_assignments",
+        "kvstack_router_inflight_assignments", "kvstack_router_replica_kv_capacity_tokens",
+        "kvstack_router_replica_kv_held_tokens",
     ):
         assert name in text, name
     get = registry.get_sample_value
@@ -99,7 +101,9 @@ def test_metrics_from_a_real_runner() -> None:
     assert get("kvstack_router_prefix_hit_tokens_total", {"policy": "cost_based", "tier": "dram"}) == 5 * 8192
     assert get("kvstack_router_ttft_prediction_error_ratio_count", {"policy": "cost_based", "action": "fetch"}) == 5
     assert get("kvstack_router_replica_load", {"replica": "r0"}) == 3
+    assert get("kvstack_router_replica_kv_held_tokens", {"replica": "r0"}) == 4096
     metrics.forget_replica("r0")
     assert get("kvstack_router_replica_load", {"replica": "r0"}) is None
+    assert get("kvstack_router_replica_kv_capacity_tokens", {"replica": "r0"}) is None
     # Two metric sets on two registries do not collide (one per router / test).
     RouterMetrics(CollectorRegistry())

@@ -10,11 +10,13 @@ import random
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from deployments.kv_occupancy import KvOccupancyTracker
 from router.calibration import Calibrator
 from router.hub import KvOccupancy, KvRelease, ReplicaReport
 from router.kv_admission import KvAdmission, key_id
+from router.metrics import RouterMetrics
 from router.policies.base import Action, ClusterSnapshot, ReplicaColumns, RouteRequest
 from router.policies.cost_based import CostBased
 from router.policies.runner import PolicyRunner
@@ -195,16 +197,20 @@ def test_a_holder_needs_only_what_running_requests_do_not_hold_of_its_prefix() -
 
 def test_the_runner_counts_its_assignments_kv_until_a_report_counts_them() -> None:
     clock = RouterClock(100.0)
-    runner = PolicyRunner(_policy(), rng=random.Random(0), clock=clock)
+    registry = CollectorRegistry()
+    runner = PolicyRunner(_policy(), rng=random.Random(0), clock=clock, metrics=RouterMetrics(registry))
     k = _admission(3000, [(1.0, 3000)])
     snap = _snapshot(router_replica("a", kv=k), router_replica("b", kv=k))
     first = runner.decide(_request(rid="1"), snap)
     runner.record_actual("1", 0.1)  # its prefill is done: only its KV still counts
     assert runner.kv_claimed(first.replica_id) == 2000
+    claimed = {"replica": first.replica_id}
+    assert registry.get_sample_value("kvstack_router_kv_claimed_tokens", claimed) == 2000
     second = runner.decide(_request(rid="2"), snap)
     assert second.replica_id != first.replica_id  # the first replica has 1000 tokens left for 2000
     runner.acknowledge("1")  # finished (or a report counts it): the claim goes
     assert runner.kv_claimed(first.replica_id) == 0
+    assert registry.get_sample_value("kvstack_router_kv_claimed_tokens", claimed) == 0
     runner.acknowledge_replica(second.replica_id, decided_before=clock() + 1)
     assert runner.kv_claimed(second.replica_id) == 0
     runner.decide(_request(rid="3"), snap)
