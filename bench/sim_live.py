@@ -63,6 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas-per-node", type=int, default=1)
     parser.add_argument("--pool-tokens", type=float, default=None,
                         help="pool DRAM tokens per node (default: the configured dram_bytes / KV bytes per token)")
+    parser.add_argument("--no-kv-admission", dest="kv_admission", action="store_false",
+                        help="engines admit every prompt at once (the simulator before it modelled KV admission)")
 
 
 # ------------------------------------------------------------------------------------------- the workload
@@ -205,7 +207,7 @@ def policy_of(config: str) -> tuple[str, bool]:
 
 
 def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
-                 pool_tokens: float | None = None) -> dict[str, Any]:
+                 pool_tokens: float | None = None, kv_admission: bool = True) -> dict[str, Any]:
     from bench.agent import session_plan
     from bench.agent_cli import workload_from_args
     from bench.live_compare import REPO, run_dir, run_label, ttfts
@@ -275,7 +277,8 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
             prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
-            request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch", kv_admission=True))
+            request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch",
+            kv_admission=kv_admission))
         sim_ttft = with_outside_router(result.ttft_s, c, rng)
         live_ttft = ttfts(e["result"])
         live.setdefault(config, []).extend(live_ttft)
@@ -300,7 +303,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             "cluster": {"nodes": nodes, "replicas_per_node": replicas_per_node, "hbm_tokens": hbm_tokens,
                         "pool_dram_tokens": pool_dram, "block_size": settings["block_size"],
                         "model_spec": settings["model_spec"], "gpu_profile": settings["gpu_profile"],
-                        "kv_admission": True},
+                        "kv_admission": kv_admission},
             "configurations": configs, "live_order_by_p50": live_order, "sim_order_by_p50": sim_order,
             "same_order": live_order == sim_order, "all_p50_within": all(c["p50_within"] for c in configs),
             "runs": runs}
@@ -343,7 +346,7 @@ def render(doc: Mapping[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         doc = simulate_run(args.work_dir.resolve(), nodes=args.nodes, replicas_per_node=args.replicas_per_node,
-                           pool_tokens=args.pool_tokens)
+                           pool_tokens=args.pool_tokens, kv_admission=args.kv_admission)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvstack bench sim-live: {exc}", file=sys.stderr)
         return 2
