@@ -43,6 +43,7 @@ import numpy as np
 
 from bench import decision_audit
 from bench.bench_configs import ANCHOR, NO_POOL, check_configs, parse_config
+from bench.host import describe_host
 from bench.serve_process import (ServerProcess, log_contains, new_ray_like_processes, scheduling_facts,
                                  scheduling_line)
 from bench.stats import ratio_with_ci, summarize
@@ -714,7 +715,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     meta: dict[str, Any] = {
         "schema": "kvstack.bench.live_compare/v1",
-        "started_utc": stamp, "host": f"{os.cpu_count()} CPUs", "wall_s": None,
+        "started_utc": stamp, "host": describe_host(), "wall_s": None,
         "model": cfg.app.engine.served_model_name, "policies": policies, "subject": args.subject,
         "repeats": args.repeats, "run_order": run_order(policies, args.repeats),
         "serve_set": serve_set, "workload": {k: getattr(args, k) for k in AGENT_FLAGS}, "sizing": sizing,

@@ -28,7 +28,8 @@ The GC is frozen after the index is built, as a long-running router would after 
 not walk a million keys inside a decision.
 
 Every row also carries ``cpu_ref_us`` (best-of CPU time of ``sum(range(1000))`` on this machine, ~7 µs on a
-modern desktop core with CPython 3.11) so runs on different or shared machines can be compared.
+modern desktop core with CPython 3.11) and ``host`` (``bench.host``) so runs on different or shared machines can be
+compared.
 
 Output: a JSON list of rows (``replicas``, ``indexed_blocks``, ``prompt_tokens``, ``decision_p50_us``,
 ``decision_p99_us``, ``hash_us``, the lookup / rank split and the cold lookup) to stdout with ``--json`` (or ``--out FILE``),
@@ -49,6 +50,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
+from bench.host import describe_host
 from cluster.cli_output import print_document
 
 
@@ -330,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
     # This machine's speed, to compare runs across machines: best-of CPU time of sum(range(1000)) (~7 µs on a
     # modern desktop core with CPython 3.11; more on a shared VM).
     cpu_ref_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5, timer=time.thread_time)) / 2000 * 1e6
+    host = describe_host()
     rows: list[dict[str, Any]] = []
     for n_rep in replica_counts:
         cluster = _Cluster(n_rep, args.replicas_per_node, hw, rng, hw_variants=args.hw_variants,
@@ -354,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
                 row["hw_variants"] = args.hw_variants
                 row["kv_short"] = args.kv_short if args.kv else None
                 row.update(hash_us=round(hash_us[size][0], 1), hash_cpu_us=round(hash_us[size][1], 1),
-                           cpu_ref_us=round(cpu_ref_us, 1))
+                           cpu_ref_us=round(cpu_ref_us, 1), host=host)
                 rows.append(row)
                 if not args.json:
                     print(

@@ -34,6 +34,7 @@ from typing import Any
 
 from bench import decision_audit
 from bench.bench_configs import check_configs
+from bench.host import describe_host
 from bench.live_compare import (
     DEFAULT_SERVE_SET,
     REPO,
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = cfg.app.engine.served_model_name, REPO / cfg.app.engine.model_path
     order = run_order(configs, args.repeats)
-    meta = {"schema": "kvstack.bench.vllm_compare/v1", "started_utc": stamp, "host": f"{os.cpu_count()} CPUs",
+    meta = {"schema": "kvstack.bench.vllm_compare/v1", "started_utc": stamp, "host": describe_host(),
             "model": model, "configs": configs, "subject": args.subject, "run_order": order,
             "serve_set": serve_set, "vllm_args": vllm_args, "work_dir": str(work),
             "command": " ".join([Path(sys.executable).name, "-m", "bench.vllm_bench_compare", *sys.argv[1:]])}
