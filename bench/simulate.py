@@ -339,9 +339,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         """The requests waiting for KV on ``rep`` that fit at ``at`` start their prefill then."""
         assert rep.kv is not None
         for hold in rep.kv.admit():
-            if not rep.ps_jobs:
-                rep.ps_t = at
-            rep.ps_jobs.append([hold.job.service, hold.job])
+            _ps_start(rep, hold.job, at)
 
     for k, rec in enumerate(records):
         now = rec.timestamp_s
@@ -439,19 +437,15 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 new_blocks = blocks[hbm_blocks:head_blocks] + blocks[cached_blocks:]
                 new_tokens = lengths[hbm_blocks:head_blocks] + lengths[cached_blocks:]
         job = _Job(k, now, rec.output_length, prompt, new_blocks, new_tokens, service)
-        if shared and rep.kv is not None and rep.tracker is not None:  # it waits until its KV fits
-            job.hold = hold_of(blocks, prompt, rec.block_tokens, job)
-            rep.kv.request(job.hold)
-            rep.tracker.start(_kv_id(job), [BlockKey(b.to_bytes(16, "little")) for b in job.hold.blocks], prompt,
-                              rec.output_length)
-            rep.kv_stale = True
-            admit(rep, now)
-            _ps_queue(rep, now)
-            cluster.mark_busy(rep)
-        elif shared:
-            if not rep.ps_jobs:  # an idle engine starts now (a busy one was advanced to now above)
-                rep.ps_t = now
-            rep.ps_jobs.append([service, job])
+        if shared:
+            if rep.kv is not None and rep.tracker is not None:  # it waits until its KV fits
+                job.hold = hold_of(blocks, prompt, rec.block_tokens, job)
+                rep.kv.request(job.hold)
+                rep.tracker.start(_kv_id(job), request.block_keys[:len(job.hold.blocks)], prompt, rec.output_length)
+                rep.kv_stale = True
+                admit(rep, now)
+            else:  # an idle engine starts it now (a busy one was advanced to now above)
+                _ps_start(rep, job, now)
             _ps_queue(rep, now)
             cluster.mark_busy(rep)
         else:
@@ -521,6 +515,13 @@ def _ps_advance(rep: SimReplica, t: float, finish: Any) -> None:
     batching); each that completes is ``finish``ed at its end time."""
     while _ps_step(rep, t, finish):
         pass
+
+
+def _ps_start(rep: SimReplica, job: _Job, at: float) -> None:
+    """``job``'s prefill joins ``rep``'s shared engine at ``at`` (an idle engine's clock starts then)."""
+    if not rep.ps_jobs:
+        rep.ps_t = at
+    rep.ps_jobs.append([job.service, job])
 
 
 def _ps_step(rep: SimReplica, t: float, finish: Any) -> bool:
