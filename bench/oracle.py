@@ -32,7 +32,7 @@ the pool on against kvstack with it off, say).
 Output (``--json``: one JSON document on stdout): ``compared``, ``verdicts``, per action (``x-kvstack-action``)
 the verdict counts, the placement of every kvstack replica (``/kvstack/status``) and of the reference, every
 unexplained case in full, and with ``--out`` every request's texts. Exit 0 when nothing is unexplained, 1 else.
-Who calls it: operators and ``tests/e2e/test_serve_local.py`` (a bounded run in CI), through ``compare``.
+Who calls it: operators and ``tests/e2e/shared_serve/test_serve_local.py`` (a bounded run in CI), through ``compare``.
 """
 
 from __future__ import annotations

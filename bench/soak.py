@@ -21,12 +21,14 @@ What one run does:
 5. Spot check (``--spot-sessions`` > 0): ``bench.oracle.compare`` through the pool as the soak left it — fresh
    sessions, one request at a time, every replica's HBM emptied after each round so revisits come from the pool —
    each greedy answer judged against plain vLLM (``bench.oracle.ReferenceServer``, started only once the load is
-   over, so the two never share the cores under load). ``wrong_outputs`` is its unexplained verdicts (goal: 0).
+   over, so the two never share the cores under load; or the caller's, idle during the load). ``wrong_outputs`` is
+   its unexplained verdicts (goal: 0).
 
 Output: ``result.json`` (schema ``kvstack.bench.soak/v1``; ``--json`` prints it) and ``soak.png`` (TTFT over the
 run) in ``--out``. Exit 0 when nothing failed (no errors, no wrong outputs, no live lease at the end), else 1.
 Who calls it: operators (``kvstack bench soak``; the default is 10 minutes at 16 in flight, ~15 minutes with
-start-up on a 2-core box) and ``tests/e2e/test_soak.py`` (a 60-second run in CI).
+start-up on a 2-core box) and ``tests/e2e/shared_serve/test_serve_local.py`` (a 40-second run in CI, judged
+against the module's own reference server).
 """
 
 from __future__ import annotations
@@ -235,29 +237,37 @@ async def agent_load(endpoint: str, args: argparse.Namespace) -> tuple[list[Any]
     return records, {"workload": asdict(workload), "sessions": sessions}, model
 
 
-def spot_check(endpoint: str, model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """``bench.oracle.compare`` against plain vLLM with the config's engine arguments, bound as one replica."""
+def spot_check(endpoint: str, model: str, args: argparse.Namespace, log_dir: Path,
+               reference: Any = None) -> dict[str, Any]:
+    """``bench.oracle.compare`` against plain vLLM with the config's engine arguments, bound as one replica: a
+    ``ReferenceServer`` started here, or ``reference`` (a ready one of the caller's, on the same engine arguments
+    and binding, left running)."""
     from bench.oracle import ReferenceServer, compare, replica_threads
     from cluster.local_cluster import free_port
     from cluster.serve_config import DEFAULT_CONFIG, load_serve_config, parse_overrides
 
     cfg = load_serve_config(DEFAULT_CONFIG, parse_overrides(args.serve_set))
-    threads = replica_threads(endpoint)
-    server = ReferenceServer({**cfg.app.engine.vllm_engine_kwargs(), **cfg.app.ingress.openai.vllm_serve_kwargs()},
-                             list(range(threads)), log_dir / "reference.log", free_port())
+    server = reference
+    if server is None:
+        server = ReferenceServer({**cfg.app.engine.vllm_engine_kwargs(),
+                                  **cfg.app.ingress.openai.vllm_serve_kwargs()},
+                                 list(range(replica_threads(endpoint))), log_dir / "reference.log", free_port())
     try:
-        server.wait_ready()
+        if reference is None:
+            server.wait_ready()
         result = compare(endpoint, server.base, model, sessions=args.spot_sessions, turns=args.spot_turns,
                          reset_hbm=True, seed=args.seed + 1, max_prompt_tokens=cfg.app.engine.max_model_len)
     finally:
-        server.stop()
+        if reference is None:
+            server.stop()
     return {k: result[k] for k in ("compared", "unexplained", "verdicts", "by_action", "reused_requests",
                                    "reused_tokens", "unexplained_cases")}
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Steps 2-5 of the module docstring against a serving ``endpoint``."""
+def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path,
+         reference: Any = None) -> dict[str, Any]:
+    """Steps 2-5 of the module docstring against a serving ``endpoint`` (``reference``: ``spot_check``'s)."""
     from bench.loadgen import summarize_records
 
     rss_start = server_rss(server_pid) if server_pid else {}
@@ -284,7 +294,7 @@ def soak(endpoint: str, server_pid: int, args: argparse.Namespace, out: Path) ->
     }
     if args.spot_sessions > 0:
         print("[soak] spot check against plain vLLM", file=sys.stderr, flush=True)
-        result["spot_check"] = spot_check(endpoint, model, args, out)
+        result["spot_check"] = spot_check(endpoint, model, args, out, reference)
         result["wrong_outputs"] = result["spot_check"]["unexplained"]
     else:
         result["spot_check"], result["wrong_outputs"] = None, None

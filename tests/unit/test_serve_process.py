@@ -48,7 +48,11 @@ def test_ready_then_sigterm(tmp_path: Path) -> None:
     assert s.summary()["log"] == str(s.log)
 
 
-def test_sigterm_ignored_kills_the_group_and_reaps_the_tagged_processes(tmp_path: Path) -> None:
+def test_sigterm_ignored_kills_the_group_and_reaps_the_tagged_processes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.serve_process
+
+    monkeypatch.setattr(bench.serve_process, "REAP_GRACE_S", 2.0)  # the child never ends: it is killed after it
     s = _server(tmp_path, IGNORE_TERM)
     s.start()
     s.wait_ready(log_contains(s.log, "is serving"), 30.0)

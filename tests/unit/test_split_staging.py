@@ -1,6 +1,6 @@
 """``deployments.split_staging``: the replica's two-step SPLIT, with fake neighbours (engine, node shard).
 
-The real thing runs in ``tests/e2e/test_serve_local.py`` (real vLLM, real shards, real NIXL pull)."""
+The real thing runs in ``tests/e2e/shared_serve/test_serve_local.py`` (real vLLM, real shards, real NIXL pull)."""
 
 from __future__ import annotations
 

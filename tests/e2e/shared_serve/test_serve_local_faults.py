@@ -5,8 +5,9 @@ killed mid-run. Each process is killed as a crash would (SIGKILL, with its child
 What each case asserts: every request completes, or — only the one a killed replica was streaming — ends with a
 clear error within a deadline (never hangs); later requests are served; Serve's (or the pool keeper's) replacement
 comes up and is used; the greedy outputs of requests served through the fault equal the same requests' outputs
-before it (sequential requests, the same full prefill: a clean recompute). One module-scoped server (~2-3 min to
-start); the cases run in file order and each leaves the server healthy for the next.
+before it (sequential requests, the same full prefill: a clean recompute). The package's one server
+(``conftest.py``), after ``test_serve_local.py``'s tests; the cases run in file order and each leaves the server
+healthy for the next.
 """
 
 from __future__ import annotations
@@ -20,27 +21,15 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.serve_run import hbm_blocks, pool_blocks, running_serve, wait_for_status
+from tests.e2e.serve_run import hbm_blocks, pool_blocks, wait_for_status
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "tiny-qwen3"
-REQUEST_DEADLINE_S = 120.0  # no request of these cases may take longer (the client's own timeout)
+REQUEST_DEADLINE_S = 120.0  # no request of these cases may take longer (the package client's own timeout)
 REPLACEMENT_DEADLINE_S = 420.0  # Serve restarts a replica: a new engine on a 2-core box, with its start-up probe
 FIRST_CHUNK_S = 5.0  # a 3,000-token stream's first chunk arriving sooner proves its generation is still running
 RECOVERY_DEADLINE_S = 150.0  # the connectors' breakers: the longest backoff (60 s) and a probe, with room
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_serve(tmp_path_factory.mktemp("serve-faults"), ["app.ingress.num_replicas=2"])
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=REQUEST_DEADLINE_S, max_retries=0)
 
 
 def session_processes(server: dict[str, Any], title: str) -> list[psutil.Process]:

@@ -2,52 +2,14 @@
 endpoint that routes by the request's ``model``: both answer under their own names, an unknown name is the OpenAI
 404, and neither hits the other's cache — the same prompt (the same token ids: the two tiny models share a tokenizer)
 gives the second model no cached tokens and no HOLDER or FETCH, though the first model's blocks are in HBM and in the
-pool. Driven with the ``openai`` SDK."""
+pool. Driven with the ``openai`` SDK, on the package's two-model server (``conftest.py``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
-import yaml
-
-from tests.e2e.serve_run import DTYPE, running_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from cluster.tiny_models import make_tiny, preset_spec
-
-    tmp = tmp_path_factory.mktemp("two-models")
-    return (make_tiny(preset_spec("qwen3"), tmp / "alpha"),  # same tokenizer (vocab, seed), other shapes and weights
-            make_tiny(preset_spec("qwen3", layers=6, heads=6, kv_heads=3, hidden=384), tmp / "beta"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]):
-    tmp = tmp_path_factory.mktemp("serve-two-models")
-    cfg = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
-    cfg["tiny_model"] = None
-    engine = cfg["app"].pop("engine")
-    replicas = {**cfg["app"].pop("replicas"), "num_replicas": 1}
-    cfg["app"]["router"]["model_spec"] = None  # each model priced with the spec of its own files
-    cfg["app"]["models"] = [{"engine": {**engine, "model": str(m), "served_model_name": m.name, "dtype": DTYPE},
-                             "replicas": replicas} for m in models]
-    path = tmp / "two-models.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    yield from running_serve(tmp, [], config=path)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
 
 
 def test_each_model_answers_under_its_own_name(client, server) -> None:

@@ -1,10 +1,11 @@
-"""E2E: reasoning and the stream variants of structured output and batched prompts, on a ``kvstack serve`` whose
-engines run vLLM's ``qwen3`` reasoning parser (``app.engine.reasoning_parser``), driven with the real ``openai`` SDK.
+"""E2E: reasoning and the stream variants of structured output and batched prompts, on a ``kvstack serve`` model
+whose engines run vLLM's ``qwen3`` reasoning parser (the engine setting ``reasoning_parser``; model ``alpha`` of the
+package's two-model server, ``conftest.py``), driven with the real ``openai`` SDK.
 
 A random-weight tiny model never writes ``</think>``: with thinking on (Qwen3's default) vLLM's parser puts its whole
 answer into ``reasoning``; with ``chat_template_kwargs: {"enable_thinking": false}`` the template closes the think
-block in the prompt, so the answer is ``content`` and a JSON-schema constraint applies from the first token. One
-replica, pool off: this module is about the OpenAI surface, ``test_serve_local.py`` about the cluster.
+block in the prompt, so the answer is ``content`` and a JSON-schema constraint applies from the first token. This
+module is about the OpenAI surface, ``shared_serve/test_serve_local.py`` about the cluster.
 """
 
 from __future__ import annotations
@@ -13,26 +14,11 @@ import json
 
 import pytest
 
-from tests.e2e.serve_run import running_serve
-
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MODEL = "tiny-qwen3"
+MODEL = "alpha"  # the tiny dense shape, with the reasoning parser
 USER = [{"role": "user", "content": "Think about the cache, then answer."}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_serve(tmp_path_factory.mktemp("serve-reasoning"), [
-        "app.engine.reasoning_parser=qwen3", "app.replicas.num_replicas=1", "app.pool.enabled=false"])
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server["base"], api_key="unused", timeout=120, max_retries=0)
 
 
 def streamed(stream) -> tuple[str, str, set[str | None]]:
