@@ -5,7 +5,9 @@
 Takes a finished ``bench.live_compare`` run (its work dir: ``meta.json``, ``entries.json``, every run's request
 log and decision records) and simulates every configuration on what that run saw:
 - **the workload**: each run's own requests (``bench agent --save-requests``: session, turn, send time, prompt and
-  output tokens), replayed at their live send times. Block ids follow the agent workload's structure at the
+  output tokens), replayed at their live send times — also those that never got their usage back (cancelled at the
+  run's deadline, mostly in an overloaded run), with the lengths another run measured for the same turn: their
+  load was on the live engines; the simulated TTFTs are summarized over the requests the live summary has. Block ids follow the agent workload's structure at the
   engine's block size: a session's turn k+1 prompt extends its turn k prompt, the first ``shared_prefix_tokens``
   (the system prompt and tools of the session's variant, sized with the model's tokenizer by ``live_compare``) are
   shared by the sessions of that variant; a partial last block gets an id of its own.
@@ -87,6 +89,42 @@ def live_trace(requests: Iterable[Mapping[str, Any]], variant_of: Mapping[int, i
             hash_ids.append(ids.setdefault(key, len(ids)))
         out.append(TraceRecord(i, t * 1000.0, length, max(1, output), tuple(hash_ids), block_tokens))
     return out
+
+
+def known_lengths(logs: Iterable[Iterable[Mapping[str, Any]]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(session, turn) -> (prompt tokens, output tokens), from every run of a work dir that measured them. The runs
+    replay the same sessions (one workload seed) with greedy outputs that every configuration shares, so a turn has
+    one length in all of them."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for log in logs:
+        for r in log:
+            if r.get("prompt_tokens") and r.get("session") is not None:
+                out.setdefault((int(r["session"]), int(r["turn"])), (int(r["prompt_tokens"]),
+                                                                     int(r.get("output_tokens") or 1)))
+    return out
+
+
+def replayed_requests(log: Iterable[Mapping[str, Any]],
+                      lengths: Mapping[tuple[int, int], tuple[int, int]]) -> list[dict[str, Any]]:
+    """The requests of one run the simulator replays, in send order: those that measured their prompt, and those
+    that did not (cancelled at the run's deadline, or failed, before the usage came back) with the lengths another
+    run measured for the same turn (``known_lengths``): their load was on the live engines too. Each row says
+    whether the live run has its TTFT in its summary (``live_timed``: the bench's own "ok"); the simulated summary
+    counts only those, so both summarize the same requests. A filled-in request runs to its end in the simulator
+    (the live one was cut at the deadline, when the run was ending anyway)."""
+    rows = []
+    for r in log:
+        if r.get("session") is None:
+            continue
+        row = dict(r)
+        if not row.get("prompt_tokens"):
+            known = lengths.get((int(r["session"]), int(r["turn"])))
+            if known is None:
+                continue
+            row["prompt_tokens"], row["output_tokens"] = known
+        row["live_timed"] = (r.get("ttft_s") is not None and r.get("error") is None and not r.get("cancelled"))
+        rows.append(row)
+    return sorted(rows, key=lambda r: (float(r["sent_at_s"]), int(r["session"]), int(r["turn"])))
 
 
 # ------------------------------------------------------------------------------------------- the costs
@@ -256,16 +294,16 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
                 costs[config] = got
     fallback = next((costs[c] for c in costs if not parse_config(c).pool), next(iter(costs.values()), None))
 
+    lengths = known_lengths(e["result"].get("request_log") or [] for e in entries)
     rng = np.random.default_rng(0)
     runs: list[dict[str, Any]] = []
     live: dict[str, list[float]] = {}
     sim: dict[str, list[float]] = {}
     for e in entries:
         config = e["policy"]
-        log = e["result"].get("request_log") or []
-        sessions = {int(r["session"]) for r in log if r.get("session") is not None}
-        variants = {s: session_plan(w, s, 0.0).variant for s in sessions}
-        trace = live_trace(log, variants, shared, settings["block_size"])
+        log = replayed_requests(e["result"].get("request_log") or [], lengths)
+        variants = {s: session_plan(w, s, 0.0).variant for s in {int(r["session"]) for r in log}}
+        trace = live_trace(log, variants, shared, settings["block_size"])  # the same send order as ``log``
         c = costs.get(config) or fallback
         policy, pool = policy_of(config)
         hw = base_hw
@@ -279,12 +317,13 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
             request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch",
             kv_admission=kv_admission))
-        sim_ttft = with_outside_router(result.ttft_s, c, rng)
+        timed = np.array([r["live_timed"] for r in log], dtype=bool)
+        sim_ttft = with_outside_router(result.ttft_s, c, rng)[timed]
         live_ttft = ttfts(e["result"])
         live.setdefault(config, []).extend(live_ttft)
         sim.setdefault(config, []).extend(sim_ttft.tolist())
         runs.append({"run": run_label(e), "configuration": config, "policy": policy, "pool": pool,
-                     "requests": len(trace), "costs": _costs_row(c),
+                     "requests": len(trace), "replayed_untimed": int((~timed).sum()), "costs": _costs_row(c),
                      "costs_from": config if config in costs else "fallback",
                      "live_ttft_s": summarize(live_ttft), "sim_ttft_s": summarize(sim_ttft),
                      "sim_decisions": result.decisions, "sim_hit_rate_by_tier": result.hit_rate_by_tier()})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.agent import AgentWorkload, plan_sessions, workload_trace
-from bench.sim_live import engine_prefills, live_costs, live_trace, policy_of
+from bench.sim_live import engine_prefills, known_lengths, live_costs, live_trace, policy_of, replayed_requests
 from bench.simulate import SimConfig, connector_pick, simulate
 from configs.loader import load_gpus, load_models, load_tiers
 from router.cost import Hardware, prefill_flops
@@ -33,6 +33,25 @@ def test_live_trace_shares_the_variant_prefix_and_extends_a_session_turn_by_turn
     assert len(s0t1.hash_ids) == 4 and s0t1.input_length == 420
     with pytest.raises(ValueError):
         live_trace(log, {}, shared_tokens=0, block_tokens=0)
+
+
+def test_requests_without_a_measured_prompt_are_replayed_with_another_runs_lengths_but_not_summarized() -> None:
+    """An overloaded run cancels its last requests before their usage comes back: their load was on the engines,
+    so they are replayed with the lengths another run measured for the same turn; a turn no run measured is not."""
+    timed = {"ttft_s": 0.5, "error": None, "cancelled": False}
+    other = [{**_req(0, 1, 4.0, 420), **timed}, {**_req(1, 0, 1.0, 290), **timed, "output_tokens": 5}]
+    this = [{**_req(0, 0, 0.0, 300), **timed},
+            {**_req(1, 0, 3.0, None), "ttft_s": None, "cancelled": True, "output_tokens": 0},  # cut before usage
+            {**_req(0, 1, 2.0, 420), "ttft_s": 1.5, "cancelled": True},  # cut after its first token
+            {**_req(2, 0, 5.0, None), "ttft_s": None, "error": "ReadTimeout"}]  # no run measured it
+    lengths = known_lengths([this, other])
+    assert lengths[(1, 0)] == (290, 5) and (2, 0) not in lengths
+    rows = replayed_requests(this, lengths)
+    assert [(r["session"], r["turn"], r["prompt_tokens"], r["output_tokens"], r["live_timed"]) for r in rows] == [
+        (0, 0, 300, 8, True), (0, 1, 420, 8, False), (1, 0, 290, 5, False)]  # send order; only the first is ok
+    assert this[1]["prompt_tokens"] is None  # the run's own log is left as it was
+    trace = live_trace(rows, {0: 0, 1: 0}, shared_tokens=256, block_tokens=128)
+    assert [r.input_length for r in trace] == [300, 420, 290]  # the trace keeps the rows' order
 
 
 def _record(t: float, prompt: int, cached: int, seconds: float, *, pool: bool) -> dict:
