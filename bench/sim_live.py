@@ -7,10 +7,11 @@ log and decision records) and simulates every configuration on what that run saw
 - **the workload**: each run's own requests (``bench agent --save-requests``: session, turn, send time, prompt and
   output tokens), replayed at their live send times — also those that never got their usage back (cancelled at the
   run's deadline, mostly in an overloaded run), with the lengths another run measured for the same turn: their
-  load was on the live engines; the simulated TTFTs are summarized over the requests the live summary has. Block ids follow the agent workload's structure at the
-  engine's block size: a session's turn k+1 prompt extends its turn k prompt, the first ``shared_prefix_tokens``
-  (the system prompt and tools of the session's variant, sized with the model's tokenizer by ``live_compare``) are
-  shared by the sessions of that variant; a partial last block gets an id of its own.
+  load was on the live engines; the simulated TTFTs are summarized over the requests the live summary has. Block
+  ids follow the agent workload's structure at the engine's block size: a session's turn k+1 prompt extends its
+  turn k prompt, the first ``shared_prefix_tokens`` (the system prompt and tools of the session's variant, sized
+  with the model's tokenizer by ``live_compare``) are shared by the sessions of that variant; a partial last block
+  gets an id of its own.
 - **the cluster**: the local one (2 nodes, one replica each; ``--nodes`` / ``--replicas-per-node``), each replica
   running its prefills in flight together (``engine_sharing="batch"``: vLLM's continuous batching), its KV cache as
   configured (``kv_cache_memory_bytes`` / the model's KV bytes per token) both as its prefix cache and as what

@@ -1,9 +1,9 @@
 """E2E: ``kvstack serve`` as a subprocess — a real local Ray cluster (head + 2 workers), 2 real vLLM replicas (CPU
 build), pool shards, the router — driven with the real ``openai`` SDK.
 
-The package's one server (``conftest.py``, shared with the fault and stop modules); every test talks to it over HTTP. Tests that need
-state to propagate (a replica's HBM report reaching the routers, the connector's saves reaching the shards) poll
-``/kvstack/status`` for that state with a deadline (``wait_for_status``).
+The package's one server (``conftest.py``, shared with the fault and stop modules); every test talks to it over
+HTTP. Tests that need state to propagate (a replica's HBM report reaching the routers, the connector's saves
+reaching the shards) poll ``/kvstack/status`` for that state with a deadline (``wait_for_status``).
 """
 
 from __future__ import annotations
