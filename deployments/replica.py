@@ -570,8 +570,9 @@ class VLLMReplica:
                 placement=self.cpu_claim.placement, profile=self.profile, kv=self.kv_occupancy.occupancy(),
             )
             try:
-                await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)), timeout=5.0)
-                first = False
+                held = await asyncio.wait_for(self._hub.publish_replica.remote(msgspec.msgpack.encode(report)),
+                                              timeout=5.0)
+                first = held is False  # the hub forgot this replica (silent too long) or restarted: a full report
             except Exception as exc:  # hub restarting: look it up again, resend a full snapshot next time
                 log.warning("replica %s: stats publish failed: %s", self.replica_id, exc)
                 first = True

@@ -9,8 +9,14 @@ Who calls what:
 - Each ``router.ingress.OpenAIIngress`` replica calls ``poll(cursor)`` every ~0.1 s and applies the returned
   reports, in order, to its own ``router.index`` view. A cursor older than the hub's bounded log gets a snapshot
   (one full report per live replica) instead of deltas, so no reader ever applies a delta on top of a gap.
-- ``forget_replica`` is called by the app when Serve reports a replica gone; the ingress also drops replicas it has
-  not heard from within its TTL.
+- A replica that has not published for ``REPLICA_SILENCE_S`` (dead, or frozen) is forgotten by the hub itself:
+  a ``gone`` report goes to every reader, and no later snapshot holds it. Without it, a snapshot (a reader's
+  resync, a new router, a cursor behind the log) handed out a dead replica's last report as news, and a router
+  counted it live for its TTL again (seen in CI: a killed replica back in the routers' view after they had dropped
+  it). ``forget_replica`` forgets one at once. The ingress also drops replicas it has not heard from within its
+  TTL.
+- ``publish_replica`` answers whether the hub holds the replica's whole key set: False after it forgot the
+  replica (or restarted) and got a delta — the replica then sends a full report next.
 
 Several ingress replicas read the same stream, so they hold the same view; herding is prevented in the policy
 runner (own in-flight counts + randomised tie-breaks), not here. Messages are versioned msgspec structs.
@@ -19,6 +25,7 @@ runner (own in-flight counts + randomised tie-breaks), not here. Messages are ve
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Literal
 
@@ -29,6 +36,9 @@ HUB_WIRE_VERSION = 2  # 2: a replica reports its layout fingerprint, not one key
 # none (the threads unbound: the OS scheduler moves them, as vLLM's ``nobind``).
 CpuBinding = Literal["exclusive", "shared", "unbound"]
 DEFAULT_HUB_NAME = "kvstack-cluster-view"
+# A replica publishes every ~0.5 s; one silent this long is forgotten (the routers' default replica_ttl_s, so the
+# hub never holds a replica longer than a router would count it live).
+REPLICA_SILENCE_S = 10.0
 
 
 class TransferSample(msgspec.Struct, frozen=True, array_like=True):
@@ -145,11 +155,22 @@ class HubState:
         self._next = 1
         self._keys: dict[str, dict[bytes, None]] = {}
         self._last: dict[str, ReplicaReport] = {}
+        self._heard: dict[str, float] = {}  # replica -> when its last report came (the caller's clock)
+        self._partial: set[str] = set()  # replicas whose key set began with a delta: not their whole set
 
-    def publish(self, report: ReplicaReport) -> None:
+    def publish(self, report: ReplicaReport, now: float = 0.0) -> bool:
+        """Apply a replica's report (received at ``now``); True when the hub now holds its whole key set, False
+        when it came as a delta to a replica the hub did not know (forgotten, or the hub restarted): the replica
+        should send a full report."""
         if report.version != HUB_WIRE_VERSION:
             raise ValueError(f"ReplicaReport version {report.version}, hub speaks {HUB_WIRE_VERSION}")
-        keys = self._keys.setdefault(report.replica_id, {})
+        rid = report.replica_id
+        if report.full:
+            self._partial.discard(rid)
+        elif rid not in self._last:
+            self._partial.add(rid)
+        self._heard[rid] = now
+        keys = self._keys.setdefault(rid, {})
         if report.full:
             keys.clear()
         for k in report.removed:
@@ -159,10 +180,21 @@ class HubState:
         self._last[report.replica_id] = report
         self._log.append((self._next, report))
         self._next += 1
+        return rid not in self._partial
+
+    def expire(self, now: float, silence_s: float) -> list[str]:
+        """Forget every replica not heard from for more than ``silence_s`` before ``now`` (``forget``: readers get
+        its ``gone``); the replicas forgotten."""
+        silent = [rid for rid, at in self._heard.items() if now - at > silence_s]
+        for rid in silent:
+            self.forget(rid)
+        return silent
 
     def forget(self, replica_id: str) -> None:
         last = self._last.pop(replica_id, None)
         self._keys.pop(replica_id, None)
+        self._heard.pop(replica_id, None)
+        self._partial.discard(replica_id)
         if last is not None:
             gone = msgspec.structs.replace(last, stored=[], removed=[], gone=True, transfers=[])
             self._log.append((self._next, gone))
@@ -190,8 +222,9 @@ class ClusterViewHub:
     ``kvstack status`` sees every router's decisions whichever router answers it.
     """
 
-    def __init__(self, max_log: int = 4096) -> None:
+    def __init__(self, max_log: int = 4096, silence_s: float = REPLICA_SILENCE_S) -> None:
         self._state = HubState(max_log)
+        self._silence_s = silence_s
         self._decisions: dict[str, list[dict]] = {}
         self._lock = threading.Lock()  # a threaded actor: publishes and polls run concurrently
 
@@ -206,10 +239,11 @@ class ClusterViewHub:
         merged.sort(key=lambda d: d.get("decided_at", 0.0))
         return merged[-limit:]
 
-    def publish_replica(self, raw: bytes) -> None:
+    def publish_replica(self, raw: bytes) -> bool:
+        """True: the hub holds the replica's whole key set; False: send a full report (``HubState.publish``)."""
         report = msgspec.msgpack.decode(raw, type=ReplicaReport)
         with self._lock:
-            self._state.publish(report)
+            return self._state.publish(report, time.monotonic())
 
     def forget_replica(self, replica_id: str) -> None:
         with self._lock:
@@ -217,6 +251,7 @@ class ClusterViewHub:
 
     def poll(self, cursor: int) -> bytes:
         with self._lock:
+            self._state.expire(time.monotonic(), self._silence_s)
             reply = self._state.poll(cursor)
         return msgspec.msgpack.encode(reply)
 

@@ -6,6 +6,7 @@ holds exactly each replica's ledger, however far behind it falls."""
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import pytest
@@ -229,6 +230,36 @@ def test_forget_emits_gone_and_leaves_the_snapshot() -> None:
     assert {r.replica_id for r in hub.snapshot().reports} == {"a", "b"}
 
 
+def test_a_silent_replica_is_forgotten_and_no_snapshot_hands_it_out_again() -> None:
+    """A replica killed (or frozen) stops publishing: after the silence the hub forgets it — readers get its
+    ``gone`` and no later snapshot (a router's resync, a new router) brings it back as if it had just reported."""
+    hub = HubState()
+    assert hub.publish(report("dead", 1, [1], full=True), now=0.0)
+    assert hub.publish(report("live", 1, [2], full=True), now=0.0)
+    assert hub.publish(report("live", 2, [3]), now=8.0)
+    assert hub.expire(now=9.0, silence_s=10.0) == []
+    cursor = hub.poll(0).cursor
+    assert hub.expire(now=10.5, silence_s=10.0) == ["dead"]
+    (gone,) = hub.poll(cursor).reports
+    assert gone.gone and gone.replica_id == "dead"
+    assert [r.replica_id for r in hub.poll(-1).reports] == ["live"]  # a resync: the live one only
+    assert hub.expire(now=10.6, silence_s=10.0) == []  # forgotten once
+
+
+def test_a_delta_from_a_replica_the_hub_does_not_hold_asks_for_a_full_report() -> None:
+    """A replica the hub forgot (silent too long, yet alive) or a restarted hub gets a delta: the hub cannot know
+    the replica's whole key set, so it answers False and the replica sends a full report next."""
+    hub = HubState()
+    assert hub.publish(report("a", 1, [1], full=True), now=0.0)
+    hub.expire(now=20.0, silence_s=10.0)
+    assert hub.publish(report("a", 7, [9]), now=21.0) is False  # a delta on nothing
+    assert hub.publish(report("a", 8, [10]), now=21.5) is False  # still not the whole set
+    assert hub.publish(report("a", 9, [1, 9, 10], full=True), now=22.0) is True
+    assert hub.publish(report("a", 10, [11]), now=22.5) is True
+    (snap,) = hub.snapshot().reports
+    assert set(snap.stored) == {k(1), k(9), k(10), k(11)}
+
+
 def test_wrong_version_rejected() -> None:
     hub = HubState()
     bad = msgspec.structs.replace(report("a", 1, [1], full=True), version=HUB_WIRE_VERSION + 1)
@@ -248,6 +279,18 @@ def test_actor_body_speaks_msgpack() -> None:
     actor.forget_replica("a")
     reply = msgspec.msgpack.decode(actor.poll(1), type=PollReply)
     assert reply.reports[0].gone
+    assert actor.publish_replica(msgspec.msgpack.encode(report("a", 2, [3]))) is False  # forgotten: send it all
+    assert actor.publish_replica(msgspec.msgpack.encode(report("a", 3, [3], full=True))) is True
+
+
+def test_the_actor_forgets_a_replica_silent_past_its_silence() -> None:
+    actor = ClusterViewHub(max_log=8, silence_s=0.05)
+    actor.publish_replica(msgspec.msgpack.encode(report("a", 1, [1], full=True)))
+    assert [r.replica_id for r in msgspec.msgpack.decode(actor.poll(0), type=PollReply).reports] == ["a"]
+    time.sleep(0.1)
+    reply = msgspec.msgpack.decode(actor.poll(1), type=PollReply)
+    assert [(r.replica_id, r.gone) for r in reply.reports] == [("a", True)]
+    assert msgspec.msgpack.decode(actor.poll(-1), type=PollReply).reports == []
 
 
 # -- HBM ledger ----------------------------------------------------------------------------------------------------

@@ -151,9 +151,16 @@ def test_a_replica_killed_mid_stream_ends_that_stream_and_the_others_serve(serve
     assert [text for text, _ in after] == before
     assert all(h["x-kvstack-replica"] != victim for _, h in after)
     # Serve replaces it; once it reports, the routers use it.
-    st = wait_for_status(server, lambda s: len(s["replicas"]) == 2, answers=6, what="Serve's replacement is live",
+    survivor = set(pids) - {victim}
+
+    def replacement(s: dict[str, Any]) -> set[str]:
+        ids = {r["replica_id"] for r in s["replicas"]}
+        return ids - survivor if len(ids) == 2 and survivor < ids and victim not in ids else set()
+
+    st = wait_for_status(server, lambda s: len(replacement(s)) == 1, answers=6,
+                         what="Serve's replacement is live beside the survivor (the killed replica gone)",
                          timeout_s=REPLACEMENT_DEADLINE_S)
-    (new,) = {r["replica_id"] for r in st["replicas"]} - set(pids)
+    (new,) = replacement(st)
     used: set[str] = set()
     for round_ in range(4):
         reset_hbm(server)
