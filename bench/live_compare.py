@@ -316,9 +316,14 @@ def _by_session(groups: dict[str, list[str]]) -> dict[str, list[str]]:
     return {c: g for c, g in groups.items() if not any(x.endswith(":None") for x in g)}
 
 
+def is_timed(row: dict[str, Any], *, with_cancelled: bool = False) -> bool:
+    """Whether a saved request row counts in the TTFT summaries: a first token, no error, and not cancelled at the
+    run's deadline (the bench's own "ok"), or ``with_cancelled`` also one cancelled after its first token."""
+    return row.get("ttft_s") is not None and row.get("error") is None and (with_cancelled or not row.get("cancelled"))
+
+
 def _timed(result: dict[str, Any], with_cancelled: bool) -> list[dict[str, Any]]:
-    return [r for r in result.get("request_log", [])
-            if r.get("ttft_s") is not None and r.get("error") is None and (with_cancelled or not r.get("cancelled"))]
+    return [r for r in result.get("request_log", []) if is_timed(r, with_cancelled=with_cancelled)]
 
 
 def ttft_by_turn(done: list[dict[str, Any]], subject: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -369,8 +374,7 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
     if r is None:
         return {"policy": run_label(entry), "error": entry.get("error", "no result")}
     router = r.get("router") or {}
-    ok_prompts = [x.get("prompt_tokens") or 0 for x in r.get("request_log", [])
-                  if x.get("error") is None and not x.get("cancelled") and x.get("ttft_s") is not None]
+    ok_prompts = [x.get("prompt_tokens") or 0 for x in r.get("request_log", []) if is_timed(x)]
     hits = {k: float(v) for k, v in (router.get("hit_tokens_by_tier") or {}).items()}
     decisions = {k: float(v) for k, v in (router.get("decisions_by_action") or {}).items()}
     n_dec = sum(decisions.values())

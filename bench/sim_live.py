@@ -110,9 +110,11 @@ def replayed_requests(log: Iterable[Mapping[str, Any]],
     """The requests of one run the simulator replays, in send order: those that measured their prompt, and those
     that did not (cancelled at the run's deadline, or failed, before the usage came back) with the lengths another
     run measured for the same turn (``known_lengths``): their load was on the live engines too. Each row says
-    whether the live run has its TTFT in its summary (``live_timed``: the bench's own "ok"); the simulated summary
-    counts only those, so both summarize the same requests. A filled-in request runs to its end in the simulator
-    (the live one was cut at the deadline, when the run was ending anyway)."""
+    whether the live run has its TTFT in its summary (``live_timed``: ``bench.live_compare.is_timed``); the
+    simulated summary counts only those, so both summarize the same requests. A filled-in request runs to its end
+    in the simulator (the live one was cut at the deadline, when the run was ending anyway)."""
+    from bench.live_compare import is_timed
+
     rows = []
     for r in log:
         if r.get("session") is None:
@@ -123,7 +125,7 @@ def replayed_requests(log: Iterable[Mapping[str, Any]],
             if known is None:
                 continue
             row["prompt_tokens"], row["output_tokens"] = known
-        row["live_timed"] = (r.get("ttft_s") is not None and r.get("error") is None and not r.get("cancelled"))
+        row["live_timed"] = is_timed(r)
         rows.append(row)
     return sorted(rows, key=lambda r: (float(r["sent_at_s"]), int(r["session"]), int(r["turn"])))
 

@@ -7,7 +7,8 @@ FILE`` as written — are set first, and the engine's ``dtype`` is ``DTYPE`` unl
 added to its environment), waits until it prints that it is serving (at most ``ready_s``; a start that exits or times
 out fails the test with the tails of its logs), yields ``{"proc", "base", "state", "log"}`` and kills its process
 group after. ``get_status`` / ``wait_for_status`` read such a server's ``/kvstack/status`` (polled with a deadline);
-``hbm_blocks`` / ``pool_blocks`` read a status.
+``hbm_blocks`` / ``pool_blocks`` read a status; ``assert_fetched_as_before`` asks a prompt again after an HBM reset
+and checks it came back from the pool unchanged.
 """
 
 from __future__ import annotations
@@ -116,6 +117,18 @@ def wait_for_status(server, holds: Callable[[dict[str, Any]], bool], what: str, 
             pytest.fail(f"not within {timeout_s} s: {what}; last status: replicas {st['replicas']}, "
                         f"shards {st['shards']}")
         time.sleep(0.2)
+
+
+def assert_fetched_as_before(client: Any, model: str, messages: list[dict[str, str]], first: Any) -> None:
+    """Ask ``messages`` again (greedy, 8 tokens) once every replica's HBM was emptied and the pool holds the prompt:
+    the router decides FETCH, the prefix comes back from the pool (128 cached tokens or more) and the answer equals
+    ``first``'s (the same request's completion before the reset)."""
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=8,
+                                                           temperature=0)
+    again = raw.parse()
+    assert raw.headers["x-kvstack-action"] == "fetch"
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128
 
 
 def hbm_blocks(st: dict[str, Any]) -> dict[str, int]:

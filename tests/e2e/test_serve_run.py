@@ -18,7 +18,7 @@ import pytest
 
 from cluster.local_cluster import free_port
 from tests.e2e.cluster_process import running_cluster
-from tests.e2e.serve_run import remove_ssd_dir, ssd_sets
+from tests.e2e.serve_run import assert_fetched_as_before, remove_ssd_dir, ssd_sets
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -124,12 +124,7 @@ def test_a_prefix_is_fetched_from_the_pool_after_an_hbm_reset(served) -> None:
     assert len(reset) == 2 and all(r["ok"] for r in reset), reset
     wait_for(served, lambda st: all(r["hbm_blocks"] == 0 for r in st["replicas"]), "the router saw the HBM reset",
              answers=6)
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
-                                                           temperature=0)
-    again = raw.parse()
-    assert raw.headers["x-kvstack-action"] == "fetch"
-    assert again.choices[0].message.content == first.choices[0].message.content
-    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+    assert_fetched_as_before(client, MODEL, messages, first)
 
 
 def test_a_worker_node_added_later_gets_a_shard(served, cluster) -> None:

@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from cluster.local_cluster import free_port
-from tests.e2e.serve_run import DTYPE, get_status, hbm_blocks, pool_blocks, wait_for_status
+from tests.e2e.serve_run import (DTYPE, assert_fetched_as_before, get_status, hbm_blocks, pool_blocks,
+                                  wait_for_status)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -136,12 +137,7 @@ def test_prefix_fetched_from_the_pool_after_hbm_reset(server, client) -> None:
     # ...and both routers saw every replica's HBM emptied, so only the pool still holds the prefix.
     wait_for_status(server, lambda st: all(n == 0 for n in hbm_blocks(st).values()), answers=6,
                     what="both routers saw the replicas' HBM reset")
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
-                                                           temperature=0)
-    again = raw.parse()
-    assert raw.headers["x-kvstack-action"] == "fetch"
-    assert again.choices[0].message.content == first.choices[0].message.content
-    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+    assert_fetched_as_before(client, MODEL, messages, first)
     # The replica reports the fetch's timing (lease + NIXL read) and the routers feed it to their tier fits.
     deadline = time.monotonic() + 20
     observed = 0
