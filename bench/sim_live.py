@@ -19,15 +19,19 @@ log and decision records) and simulates every configuration on what that run saw
   configuration ran, the policy it ran (the Ray Serve LLM anchor as ``prefix_affinity`` without a pool: its
   ``PrefixCacheAffinityRouter`` routes on the longest prefix match).
 - **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
-  engine's prefill rate fitted to the prefills it timed alone (scheduled → first token against the tokens it
-  computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed cost
-  per prefill), the pool's calls for the scheduler (lookup + lease; a load's whole wait on the pool from the
-  engine's first ask, ``PoolRequestTiming.wait_s``, where recorded) as a per-prefill cost, and as a per-request
-  cost the ingress + transport time (median) plus the time outside the router's view (the client's TTFT less the
-  router's: HTTP proxy, client, a starved machine; ``bench.decision_audit.outside_router_gaps``), drawn per
-  simulated request from the run's own gaps (seeded): that time has a heavy tail (on a 2-core box, means 2-9× the
-  median), it queues nothing the simulator models, and a median alone misses it. The engine's prefill rate is fitted
-  once, on every configuration's prefills (the same engine arguments and placement everywhere). The anchor has no
+  router's model of the engine, fitted to the prefills it timed alone (scheduled → first token against the tokens
+  it computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed
+  cost per prefill), which the simulated policies price with as the live router did; the engine itself, fitted to
+  its busy periods in every run (``bench.engine_fit``: seconds per computed token and per token² of attention,
+  least squares over the time the engines were busy, the fixed cost per prefill from the fit before), which times
+  the simulated prefills (``--no-engine-fit``: that MFU times them too, as before); the pool's calls for the
+  scheduler (lookup + lease; a load's whole wait on the pool from the engine's first ask,
+  ``PoolRequestTiming.wait_s``, where recorded) as a per-prefill cost, and as a per-request cost the ingress +
+  transport time (median) plus the time outside the router's view (the client's TTFT less the router's: HTTP
+  proxy, client, a starved machine; ``bench.decision_audit.outside_router_gaps``), drawn per simulated request from
+  the run's own gaps (seeded): that time has a heavy tail (on a 2-core box, means 2-9× the median), it queues
+  nothing the simulator models, and a median alone misses it. Both engine fits are made once, on every
+  configuration's prefills (the same engine arguments and placement everywhere). The anchor has no
   timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
 the order of the configurations by p50.
@@ -51,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from bench.bench_configs import parse_config
+from bench.engine_fit import EngineCost, busy_periods, engine_intervals, fit_engine_cost
 from bench.traces import TraceRecord
 from cluster.cli_output import print_document
 
@@ -68,6 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="pool DRAM tokens per node (default: the configured dram_bytes / KV bytes per token)")
     parser.add_argument("--no-kv-admission", dest="kv_admission", action="store_false",
                         help="engines admit every prompt at once (the simulator before it modelled KV admission)")
+    parser.add_argument("--no-engine-fit", dest="engine_fit", action="store_false",
+                        help="time the simulated prefills with the router's one-MFU fit of the prefills that ran "
+                             "alone (the simulator before it fitted the engines' busy periods)")
 
 
 # ------------------------------------------------------------------------------------------- the workload
@@ -149,22 +157,11 @@ Prefill = tuple[int, int, float]  # (prompt tokens, cached tokens, seconds from 
 
 
 def engine_prefills(records: Sequence[Mapping[str, Any]]) -> list[Prefill]:
-    """The prefills one run's records timed on the engine's own clock, to fit its rate on: those no other prefill
-    of the same replica overlapped (the engine shares its compute among those in flight; the simulator models that
-    sharing itself), all of them when fewer than 5 ran alone."""
-    timed = []  # (replica, scheduled, first token, prompt, cached): the engine's own timestamps
-    for r in records:
-        tl = r.get("timeline") or {}
-        rep = tl.get("replica") or {}
-        cached = r.get("actual_cached_tokens")
-        if rep.get("first_token_s") is not None and rep.get("scheduled_s") is not None and cached is not None:
-            # The replica's stamps count from its receipt of the request; decided_at puts them on one clock (the
-            # router's, give or take the transport to the replica).
-            at = float(r.get("decided_at") or 0.0)
-            t0, t1 = at + float(rep["scheduled_s"]), at + float(rep["first_token_s"])
-            prompt = int(r.get("prompt_tokens") or 0)
-            if t1 > t0 and prompt > int(cached):
-                timed.append((str(r.get("replica_id")), t0, t1, prompt, int(cached)))
+    """The prefills one run's records timed on the engine's own clock, to fit the router's model of the engine on
+    (MFU and fixed cost: what the policy inside the simulator prices with, as the live router did): those no other
+    prefill of the same replica overlapped (the engine shares its compute among those in flight; the simulator
+    models that sharing itself), all of them when fewer than 5 ran alone."""
+    timed = engine_intervals(records)
     solo = [p for p in timed if not any(q is not p and q[0] == p[0] and q[1] < p[2] and p[1] < q[2] for q in timed)]
     return [(prompt, cached, t1 - t0) for _rid, t0, t1, prompt, cached in (solo if len(solo) >= 5 else timed)]
 
@@ -248,7 +245,8 @@ def policy_of(config: str) -> tuple[str, bool]:
 
 
 def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
-                 pool_tokens: float | None = None, kv_admission: bool = True) -> dict[str, Any]:
+                 pool_tokens: float | None = None, kv_admission: bool = True,
+                 engine_fit: bool = True) -> dict[str, Any]:
     from bench.agent import session_plan
     from bench.agent_cli import workload_from_args
     from bench.live_compare import REPO, run_dir, run_label, ttfts
@@ -281,11 +279,13 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
     shared = int(sizing["shared_prefix_tokens"])
     tiers = TierMap.from_tiers(load_tiers())
 
+    run_records: list[list[dict[str, Any]]] = []  # every run's decision records (none: a run without a router)
     records: dict[str, list[dict[str, Any]]] = {}  # the first run of a configuration prices all of its runs
     for e in entries:
         f = run_dir(work, e["policy"], int(e.get("repeat", 1))) / "decisions.json"
+        run_records.append(json.loads(f.read_text()) if f.exists() else [])
         if f.exists() and e["policy"] not in records:
-            records[e["policy"]] = json.loads(f.read_text())
+            records[e["policy"]] = run_records[-1]
     # One engine everywhere (same arguments, same placement): its prefill rate fitted on every run's prefills.
     engine = [p for recs in records.values() for p in engine_prefills(recs)]
     costs: dict[str, LiveCosts] = {}
@@ -296,6 +296,11 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             if got is not None:
                 costs[config] = got
     fallback = next((costs[c] for c in costs if not parse_config(c).pool), next(iter(costs.values()), None))
+    # What the engines spent: their busy periods in every run, with the fixed cost per prefill of the fit above.
+    engine_cost: EngineCost | None = None
+    if engine_fit and fallback is not None:
+        engine_cost = fit_engine_cost([p for recs in run_records for p in busy_periods(recs)],
+                                      max(0.0, fallback.prefill_overhead_s - fallback.pool_calls_s))
 
     lengths = known_lengths(e["result"].get("request_log") or [] for e in entries)
     rng = np.random.default_rng(0)
@@ -319,7 +324,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             prefill_overhead_s=(c.prefill_overhead_s if c else 0.0) if pool else
             (c.prefill_overhead_s - c.pool_calls_s if c else 0.0),
             request_overhead_s=c.request_overhead_s if c else 0.0, engine_sharing="batch",
-            kv_admission=kv_admission))
+            kv_admission=kv_admission, engine_cost=engine_cost))
         timed = np.array([r["live_timed"] for r in log], dtype=bool)
         sim_ttft = with_outside_router(result.ttft_s, c, rng)[timed]
         live_ttft = ttfts(e["result"])
@@ -345,10 +350,19 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
             "cluster": {"nodes": nodes, "replicas_per_node": replicas_per_node, "hbm_tokens": hbm_tokens,
                         "pool_dram_tokens": pool_dram, "block_size": settings["block_size"],
                         "model_spec": settings["model_spec"], "gpu_profile": settings["gpu_profile"],
-                        "kv_admission": kv_admission},
+                        "kv_admission": kv_admission,
+                        "engine_cost": None if engine_cost is None else engine_cost.to_json()},
             "configurations": configs, "live_order_by_p50": live_order, "sim_order_by_p50": sim_order,
             "same_order": live_order == sim_order, "all_p50_within": all(c["p50_within"] for c in configs),
             "runs": runs}
+
+
+def _engine_line(engine: Mapping[str, Any] | None) -> str:
+    if not engine:
+        return "the simulated prefills take what that MFU says (no busy-period fit)"
+    return (f"the simulated prefills take what the engines' {engine['busy_periods']} busy periods say "
+            f"({engine['per_token_s'] * 1e3:.3g} ms per token + {engine['per_token_sq_s'] * 1e9:.3g} ns per "
+            f"token² of attention, `bench.engine_fit`)")
 
 
 def render(doc: Mapping[str, Any]) -> str:
@@ -360,9 +374,10 @@ def render(doc: Mapping[str, Any]) -> str:
              f"Work dir `{doc['work_dir']}`; simulated cluster: {cl['nodes']} nodes × {cl['replicas_per_node']} "
              f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica (its prefix cache, and what admits a prompt"
              f"{'' if cl.get('kv_admission') else ': not modelled'}), pool DRAM {cl['pool_dram_tokens']:.0f} "
-             f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}` with "
-             f"the MFU and per-prefill cost fitted to every configuration's live prefills together, and the time "
-             f"outside the router's view drawn per request from the configuration's own run.", "",
+             f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}`, "
+             f"priced by the policies with the MFU and per-prefill cost fitted to every configuration's live prefills "
+             f"together; {_engine_line(cl.get('engine_cost'))}; the time outside the router's view drawn per "
+             f"request from the configuration's own run.", "",
              "| configuration | live p50 | sim p50 | sim/live p50 | live mean | sim mean | sim/live mean | within "
              f"{doc['tolerance']:.0%} |", "|---|---|---|---|---|---|---|---|"]
     for c in doc["configurations"]:
@@ -388,7 +403,8 @@ def render(doc: Mapping[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         doc = simulate_run(args.work_dir.resolve(), nodes=args.nodes, replicas_per_node=args.replicas_per_node,
-                           pool_tokens=args.pool_tokens, kv_admission=args.kv_admission)
+                           pool_tokens=args.pool_tokens, kv_admission=args.kv_admission,
+                           engine_fit=args.engine_fit)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvstack bench sim-live: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ One request, at its arrival time t (requests are processed in arrival order, tie
    SPLIT runs as the replicas run it (``deployments.split_staging``): the head [hbm, start) is computed while the
    tail [start, end) is pulled to the replica's node, then the tail is loaded from the node's DRAM (a tail already
    on the node is loaded after the head);
-   service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``) + ``prefill_overhead_s``, FIFO
+   service = fetch + prefill of the rest (``router.cost.t_fetch`` / ``t_prefill``, or the live engine's measured
+   prefill time: ``engine_cost``) + ``prefill_overhead_s``, FIFO
    per replica (``engine_sharing="batch"``: every prefill in flight shares the replica's compute evenly, as vLLM's
    continuous batching does; ``_ps_advance``); TTFT = queue wait + service + ``request_overhead_s``;
 5. the request's blocks enter the replica's HBM cache (LRU) at dispatch; the blocks it computed are written to
@@ -48,6 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from bench.engine_fit import EngineCost
 from bench.sim_cluster import SimCluster, SimReplica
 from bench.sim_kv import KvHold, SimKvCache, hold_of
 from bench.stats import summarize
@@ -96,6 +98,10 @@ class SimConfig:
     # (``bench.sim_kv``), and each replica reports its occupancy to the router as the live ones do (``KvAdmission``
     # in its state: cost_based prices the wait). Needs engine_sharing "batch"; without a bound on hbm_tokens, a no-op.
     kv_admission: bool = False
+    # The engine's prefill time as a live run measured it (``bench.engine_fit``, fitted by ``bench.sim_live``): the
+    # simulated prefills take that long; None: the cost model's FLOPs at ``hw.mfu``. The policy prices with ``hw``
+    # either way, as the live router does.
+    engine_cost: EngineCost | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.replicas_per_node < 1:
@@ -147,6 +153,7 @@ class SimConfig:
             "connector_fetch": self.connector_fetch,
             "engine_sharing": self.engine_sharing,
             "kv_admission": self.kv_admission,
+            "engine_cost": None if self.engine_cost is None else self.engine_cost.to_json(),
         }
 
 
@@ -284,6 +291,13 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
     interner = _Interner()
     model, gpu = hw.model, hw.gpu
     kvb = kv_bytes_per_token(model)
+
+    def prefill_s(tokens: int, cached: int) -> float:
+        """A simulated prefill's compute: the measured engine's (``SimConfig.engine_cost``) or the cost model's."""
+        if config.engine_cost is not None:
+            return config.engine_cost.prefill_s(tokens, cached)
+        return t_prefill(model, gpu, tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached)
+
     n = len(records)
     ttfts = np.empty(n)
     preds = np.empty(n)
@@ -403,7 +417,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 if d.action == Action.SPLIT and first > hbm_blocks:
                     # head [hbm, first) computed while the tail is pulled to the node, then the tail loaded from
                     # the node's shard (a tail on the node already: head, then load); the head's KV is not a hit
-                    head = t_prefill(model, gpu, cum[first], mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[hbm_blocks])
+                    head = prefill_s(cum[first], cum[hbm_blocks])
                     prefill_gpu_s += head
                     if same:
                         service = head + fetch_t
@@ -415,7 +429,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
                 else:
                     service = fetch_t
                 cached_blocks = end
-        compute = t_prefill(model, gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cum[cached_blocks])
+        compute = prefill_s(prompt, cum[cached_blocks])
         prefill_gpu_s += compute
         service += compute + config.prefill_overhead_s
         rep.prefill_busy_s += service
