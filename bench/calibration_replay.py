@@ -5,7 +5,9 @@ work directory, one per run). Per file and replica, in decision order, each requ
 ``prefill`` stage of the record's ``router.decision.RequestTimeline``: vLLM's scheduled → first token) against its
 FLOPs (``router.cost.prefill_flops`` of the prompt and the tokens the engine reused) is predicted from the line
 fitted on the replica's earlier prefills, then fed to it. Output, per file and fit (``OnlineLine`` plain least
-squares, and ``relative``: each sample weighs 1/y²): the median |predicted − actual| / actual per action after the
+squares, and ``relative``: each sample weighs 1/y², the router's; ``relative_batch``: the same weights over every
+earlier prefill at once, without decay or outlier rejection; ``two_slope``: like ``relative_batch`` with the
+attention FLOPs at a rate of their own, ``TwoSlope``): the median |predicted − actual| / actual per action after the
 run's first ``--warmup`` decisions, and over all actions.
 
 Offline and pure apart from reading the files; what the router's ``Calibrator`` does live, minus the start-up probe
@@ -17,32 +19,102 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 
 from bench.decision_audit import DEFAULT_WARMUP
 from configs.loader import load_models
 from configs.schema import ModelSpec
 from router.calibration import OnlineLine
-from router.cost import prefill_flops
+from router.cost import work_flops
 from router.decision import RequestTimeline
 
-FITS: dict[str, Callable[[], OnlineLine]] = {
-    "plain": lambda: OnlineLine(),
-    "relative": lambda: OnlineLine(relative=True),
+
+class PrefillFit(Protocol):
+    """A prefill-time fit replayed over a run: seconds from the prefill's linear and attention FLOPs."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def predict(self, linear: float, attention: float) -> float: ...
+
+    def observe(self, linear: float, attention: float, seconds: float) -> None: ...
+
+
+class OneMfu:
+    """The router's model: one line over the prefill's FLOPs, both terms at one MFU (``OnlineLine``)."""
+
+    def __init__(self, line: OnlineLine) -> None:
+        self.line = line
+
+    @property
+    def ready(self) -> bool:
+        return self.line.ready
+
+    def predict(self, linear: float, attention: float) -> float:
+        fit = self.line.fit()
+        return math.nan if fit is None else fit[0] + fit[1] * (linear + attention)
+
+    def observe(self, linear: float, attention: float, seconds: float) -> None:
+        self.line.observe(linear + attention, seconds)
+
+
+class TwoSlope:
+    """Relative least squares (each sample weighs 1/seconds²) of seconds ≈ a + b₁·linear FLOPs + b₂·attention FLOPs
+    over every prefill seen, refitted per prediction (offline: no decay, no outlier rejection). ``two=False`` fits
+    one slope over their sum, the same way (``relative_batch``: what ``two_slope`` is compared with). A fit with a
+    negative coefficient falls back to the one-slope fit, then to a line through the origin."""
+
+    def __init__(self, *, two: bool = True, min_obs: int = 5) -> None:
+        self.two = two
+        self.min_obs = min_obs
+        self.rows: list[tuple[float, float, float]] = []
+
+    @property
+    def ready(self) -> bool:
+        return len(self.rows) >= self.min_obs
+
+    def _coef(self) -> tuple[float, float, float]:
+        x = np.array(self.rows, dtype=float)
+        y, w = x[:, 2], 1.0 / x[:, 2]
+        designs = ([np.c_[np.ones(len(x)), x[:, 0], x[:, 1]]] if self.two else []) + [
+            np.c_[np.ones(len(x)), x[:, 0] + x[:, 1]]]
+        for design in designs:
+            coef, *_ = np.linalg.lstsq(design * w[:, None], y * w, rcond=None)
+            if (coef >= 0).all() and coef[1:].sum() > 0:
+                return (float(coef[0]), float(coef[1]), float(coef[2] if len(coef) == 3 else coef[1]))
+        total = x[:, 0] + x[:, 1]
+        b = float((total * w) @ (y * w) / ((total * w) @ (total * w)))
+        return 0.0, b, b
+
+    def predict(self, linear: float, attention: float) -> float:
+        a, b1, b2 = self._coef()
+        return a + b1 * linear + b2 * attention
+
+    def observe(self, linear: float, attention: float, seconds: float) -> None:
+        self.rows.append((linear, attention, seconds))
+
+
+FITS: dict[str, Callable[[], PrefillFit]] = {
+    "plain": lambda: OneMfu(OnlineLine()),
+    "relative": lambda: OneMfu(OnlineLine(relative=True)),
+    "relative_batch": lambda: TwoSlope(two=False),
+    "two_slope": lambda: TwoSlope(),
 }
 
 
-def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callable[[], OnlineLine], *,
+def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callable[[], PrefillFit], *,
            warmup: int = DEFAULT_WARMUP) -> dict[str, list[float]]:
     """Relative errors of the prefill predictions per action (records after the first ``warmup`` by decision time,
-    on a replica whose line is ready)."""
-    lines: dict[str, OnlineLine] = {}
+    on a replica whose fit is ready)."""
+    lines: dict[str, PrefillFit] = {}
     errors: dict[str, list[float]] = {}
     for i, r in enumerate(sorted(records, key=lambda r: r["decided_at"])):
         if not r.get("timeline") or r.get("actual_ttft_s") is None:
@@ -51,14 +123,15 @@ def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callabl
         if seconds <= 0:  # vLLM did not report the step (or a zero-length one): nothing to fit
             continue
         prompt = int(r["prompt_tokens"])
-        x = prefill_flops(model, prompt, min(int(r.get("actual_cached_tokens") or 0), prompt))
-        if x <= 0:
+        cached = min(int(r.get("actual_cached_tokens") or 0), prompt)
+        if prompt <= cached:
             continue
+        linear = work_flops(model, prompt - cached, 0.0)  # the cost model's two terms (``router.cost``)
+        attention = work_flops(model, 0.0, prompt * prompt - cached * cached)
         line = lines.setdefault(r["replica_id"], make())
-        fit = line.fit() if line.ready else None
-        if fit is not None and i >= warmup:
-            errors.setdefault(r["action"], []).append(abs(fit[0] + fit[1] * x - seconds) / seconds)
-        line.observe(x, seconds)
+        if line.ready and i >= warmup:
+            errors.setdefault(r["action"], []).append(abs(line.predict(linear, attention) - seconds) / seconds)
+        line.observe(linear, attention, seconds)
     return errors
 
 
