@@ -5,10 +5,10 @@ work directory, one per run). Per file and replica, in decision order, each requ
 ``prefill`` stage of the record's ``router.decision.RequestTimeline``: vLLM's scheduled → first token) against its
 FLOPs (``router.cost.prefill_flops`` of the prompt and the tokens the engine reused) is predicted from the line
 fitted on the replica's earlier prefills, then fed to it. Output, per file and fit (``OnlineLine`` plain least
-squares, and ``relative``: each sample weighs 1/y², the router's; ``relative_batch``: the same weights over every
-earlier prefill at once, without decay or outlier rejection; ``two_slope``: like ``relative_batch`` with the
-attention FLOPs at a rate of their own, ``TwoSlope``): the median |predicted − actual| / actual per action after the
-run's first ``--warmup`` decisions, and over all actions.
+squares over the prefill's FLOPs; ``relative``: each sample weighs 1/y², the router's line before it priced the
+attention apart; ``router``: the router's ``MfuEstimator`` as it is, with the attention at a rate of its own once
+the prefills tell it apart): the median |predicted − actual| / actual per action after the run's first
+``--warmup`` decisions, and over all actions.
 
 Offline and pure apart from reading the files; what the router's ``Calibrator`` does live, minus the start-up probe
 (its samples are not in the records). Run: ``python -m bench.calibration_replay --model tiny-qwen3-heavy
@@ -27,90 +27,76 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-import numpy as np
 
 from bench.decision_audit import DEFAULT_WARMUP
 from configs.loader import load_models
-from configs.schema import ModelSpec
-from router.calibration import OnlineLine
-from router.cost import work_flops
+from configs.schema import GpuProfile, ModelSpec
+from router.calibration import MfuEstimator, OnlineLine
+from router.cost import Hardware, prefill_flops, work_flops
 from router.decision import RequestTimeline
 
 
 class PrefillFit(Protocol):
-    """A prefill-time fit replayed over a run: seconds from the prefill's linear and attention FLOPs."""
+    """A prefill-time fit replayed over a run: seconds of a prefill of ``prompt`` tokens with ``cached`` reused."""
 
     @property
     def ready(self) -> bool: ...
 
-    def predict(self, linear: float, attention: float) -> float: ...
+    def predict(self, prompt: int, cached: int) -> float: ...
 
-    def observe(self, linear: float, attention: float, seconds: float) -> None: ...
+    def observe(self, prompt: int, cached: int, seconds: float) -> None: ...
 
 
 class OneMfu:
-    """The router's model: one line over the prefill's FLOPs, both terms at one MFU (``OnlineLine``)."""
+    """One line over the prefill's FLOPs, both terms at one MFU (``OnlineLine``): the router before it priced the
+    attention apart."""
 
-    def __init__(self, line: OnlineLine) -> None:
+    def __init__(self, model: ModelSpec, line: OnlineLine) -> None:
+        self.model = model
         self.line = line
 
     @property
     def ready(self) -> bool:
         return self.line.ready
 
-    def predict(self, linear: float, attention: float) -> float:
+    def predict(self, prompt: int, cached: int) -> float:
         fit = self.line.fit()
-        return math.nan if fit is None else fit[0] + fit[1] * (linear + attention)
+        return math.nan if fit is None else fit[0] + fit[1] * prefill_flops(self.model, prompt, cached)
 
-    def observe(self, linear: float, attention: float, seconds: float) -> None:
-        self.line.observe(linear + attention, seconds)
+    def observe(self, prompt: int, cached: int, seconds: float) -> None:
+        self.line.observe(prefill_flops(self.model, prompt, cached), seconds)
 
 
-class TwoSlope:
-    """Relative least squares (each sample weighs 1/seconds²) of seconds ≈ a + b₁·linear FLOPs + b₂·attention FLOPs
-    over every prefill seen, refitted per prediction (offline: no decay, no outlier rejection). ``two=False`` fits
-    one slope over their sum, the same way (``relative_batch``: what ``two_slope`` is compared with). A fit with a
-    negative coefficient falls back to the one-slope fit, then to a line through the origin."""
+class RouterFit:
+    """The router's own fit (``router.calibration.MfuEstimator``: the attention at a rate of its own once the
+    prefills tell it apart)."""
 
-    def __init__(self, *, two: bool = True, min_obs: int = 5) -> None:
-        self.two = two
-        self.min_obs = min_obs
-        self.rows: list[tuple[float, float, float]] = []
+    def __init__(self, model: ModelSpec) -> None:
+        gpu = GpuProfile(name="replay", bf16_tflops=1.0, hbm_gbps=1.0, hbm_gib=1.0)  # only the fitted slopes count
+        self.model = model
+        self.est = MfuEstimator(Hardware(model=model, gpu=gpu, mfu=0.5, bw_util=0.8))
 
     @property
     def ready(self) -> bool:
-        return len(self.rows) >= self.min_obs
+        return self.est.proven
 
-    def _coef(self) -> tuple[float, float, float]:
-        x = np.array(self.rows, dtype=float)
-        y, w = x[:, 2], 1.0 / x[:, 2]
-        designs = ([np.c_[np.ones(len(x)), x[:, 0], x[:, 1]]] if self.two else []) + [
-            np.c_[np.ones(len(x)), x[:, 0] + x[:, 1]]]
-        for design in designs:
-            coef, *_ = np.linalg.lstsq(design * w[:, None], y * w, rcond=None)
-            if (coef >= 0).all() and coef[1:].sum() > 0:
-                return (float(coef[0]), float(coef[1]), float(coef[2] if len(coef) == 3 else coef[1]))
-        total = x[:, 0] + x[:, 1]
-        b = float((total * w) @ (y * w) / ((total * w) @ (total * w)))
-        return 0.0, b, b
+    def predict(self, prompt: int, cached: int) -> float:
+        linear = work_flops(self.model, prompt - cached, 0.0)
+        got = self.est.predict(linear, prefill_flops(self.model, prompt, cached) - linear)
+        return math.nan if got is None else got
 
-    def predict(self, linear: float, attention: float) -> float:
-        a, b1, b2 = self._coef()
-        return a + b1 * linear + b2 * attention
-
-    def observe(self, linear: float, attention: float, seconds: float) -> None:
-        self.rows.append((linear, attention, seconds))
+    def observe(self, prompt: int, cached: int, seconds: float) -> None:
+        self.est.observe(prompt, cached, seconds)
 
 
-FITS: dict[str, Callable[[], PrefillFit]] = {
-    "plain": lambda: OneMfu(OnlineLine()),
-    "relative": lambda: OneMfu(OnlineLine(relative=True)),
-    "relative_batch": lambda: TwoSlope(two=False),
-    "two_slope": lambda: TwoSlope(),
+FITS: dict[str, Callable[[ModelSpec], PrefillFit]] = {
+    "plain": lambda m: OneMfu(m, OnlineLine()),
+    "relative": lambda m: OneMfu(m, OnlineLine(relative=True)),
+    "router": RouterFit,
 }
 
 
-def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callable[[], PrefillFit], *,
+def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callable[[ModelSpec], PrefillFit], *,
            warmup: int = DEFAULT_WARMUP) -> dict[str, list[float]]:
     """Relative errors of the prefill predictions per action (records after the first ``warmup`` by decision time,
     on a replica whose fit is ready)."""
@@ -126,12 +112,10 @@ def replay(records: Sequence[Mapping[str, Any]], model: ModelSpec, make: Callabl
         cached = min(int(r.get("actual_cached_tokens") or 0), prompt)
         if prompt <= cached:
             continue
-        linear = work_flops(model, prompt - cached, 0.0)  # the cost model's two terms (``router.cost``)
-        attention = work_flops(model, 0.0, prompt * prompt - cached * cached)
-        line = lines.setdefault(r["replica_id"], make())
+        line = lines.setdefault(r["replica_id"], make(model))
         if line.ready and i >= warmup:
-            errors.setdefault(r["action"], []).append(abs(line.predict(linear, attention) - seconds) / seconds)
-        line.observe(linear, attention, seconds)
+            errors.setdefault(r["action"], []).append(abs(line.predict(prompt, cached) - seconds) / seconds)
+        line.observe(prompt, cached, seconds)
     return errors
 
 

@@ -151,6 +151,7 @@ class LiveCosts:
     outside_router_s: float = 0.0  # client TTFT − router TTFT, median (HTTP proxy, client): no timeline sees it
     outside_router_gaps: tuple[float, ...] = ()  # every matched request's gap (≥ 0): the simulator draws from them
     peak_tflops: float = 0.0  # the profile's peak as the fit raised it (0: the profile's own), as the router does
+    attn_scale: float = 1.0  # the attention's cost per FLOP relative to the matrix products' (``Hardware``)
 
 
 Prefill = tuple[int, int, float]  # (prompt tokens, cached tokens, seconds from scheduled to the first token)
@@ -203,7 +204,7 @@ def live_costs(records: Sequence[Mapping[str, Any]], hw: Any,
         ordered = sorted(records, key=lambda r: float(r.get("decided_at") or 0.0))
         gaps = [max(0.0, g) for g in outside_router_gaps(ordered, requests)[0]]
     fitted = est.hardware()  # MFU on the router's grid; a profile slower than the engine gets its peak raised
-    return LiveCosts(mfu=fitted.mfu, peak_tflops=fitted.gpu.bf16_tflops,
+    return LiveCosts(mfu=fitted.mfu, peak_tflops=fitted.gpu.bf16_tflops, attn_scale=fitted.attn_scale,
                      prefill_overhead_s=max(0.0, est.overhead_s) + pool_s,
                      request_overhead_s=statistics.median(outside) if outside else 0.0, prefills=n,
                      pool_calls_s=pool_s, outside_router_s=statistics.median(gaps) if gaps else 0.0,
@@ -317,7 +318,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
         hw = base_hw
         if c:
             gpu = base_hw.gpu.model_copy(update={"bf16_tflops": c.peak_tflops}) if c.peak_tflops else base_hw.gpu
-            hw = dataclasses.replace(base_hw, mfu=c.mfu, gpu=gpu)
+            hw = dataclasses.replace(base_hw, mfu=c.mfu, gpu=gpu, attn_scale=c.attn_scale)
         result = simulate(trace, SimConfig(
             nodes=nodes, replicas_per_node=replicas_per_node, policy=policy, hw=hw, tier_map=tiers,
             hbm_tokens=hbm_tokens, pool_dram_tokens=pool_dram if pool else 0.0,
@@ -375,8 +376,9 @@ def render(doc: Mapping[str, Any]) -> str:
              f"replica(s), {cl['hbm_tokens']:.0f} KV tokens per replica (its prefix cache, and what admits a prompt"
              f"{'' if cl.get('kv_admission') else ': not modelled'}), pool DRAM {cl['pool_dram_tokens']:.0f} "
              f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}`, "
-             f"priced by the policies with the MFU and per-prefill cost fitted to every configuration's live prefills "
-             f"together; {_engine_line(cl.get('engine_cost'))}; the time outside the router's view drawn per "
+             f"priced by the policies with the MFU, attention scale and per-prefill cost the router fits, fitted to "
+             f"every configuration's live prefills together; {_engine_line(cl.get('engine_cost'))}; the time outside "
+             f"the router's view drawn per "
              f"request from the configuration's own run.", "",
              "| configuration | live p50 | sim p50 | sim/live p50 | live mean | sim mean | sim/live mean | within "
              f"{doc['tolerance']:.0%} |", "|---|---|---|---|---|---|---|---|"]
@@ -391,7 +393,7 @@ def render(doc: Mapping[str, Any]) -> str:
         c = r["costs"] or {}
         peak = c.get("peak_tflops") or float("nan")
         lines.append(f"- {r['run']}: {r['requests']} requests; MFU {c.get('mfu', float('nan')):.2e} of {peak:.3g} "
-                     "TFLOPS, per prefill "
+                     f"TFLOPS, attention scale {c.get('attn_scale', 1.0):.2f}, per prefill "
                      f"{c.get('prefill_overhead_s', 0.0):.3f} s (pool calls {c.get('pool_calls_s', 0.0):.3f} s), "
                      f"per request {c.get('request_overhead_s', 0.0):.3f} s plus the time outside the router "
                      f"(median {c.get('outside_router_s', 0.0):.3f} s, {c.get('outside_router_gaps', 0)} drawn from) "

@@ -296,7 +296,7 @@ def simulate(records: Sequence[TraceRecord], config: SimConfig) -> SimResult:
         """A simulated prefill's compute: the measured engine's (``SimConfig.engine_cost``) or the cost model's."""
         if config.engine_cost is not None:
             return config.engine_cost.prefill_s(tokens, cached)
-        return t_prefill(model, gpu, tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached)
+        return t_prefill(model, gpu, tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached, attn_scale=hw.attn_scale)
 
     n = len(records)
     ttfts = np.empty(n)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 
 from configs.schema import TierSpec
-from router.cost import GB, TERA, Hardware, prefill_flops
+from router.cost import GB, TERA, Hardware, prefill_flops, work_flops
 from router.policies.pricing import TierMap
 
 TIER_CLASSES = ("dram_local", "dram_remote", "ssd_local", "ssd_remote")
@@ -143,6 +143,68 @@ class OnlineLine:
         return (0.0, b) if b > 0 else None
 
 
+#: ``OnlinePlane`` separates the attention term only when 1 − ρ² of its two regressors (their weighted correlation)
+#: reaches this: prefills that all have the same shape (one length, no cached prefix) cannot tell the two rates apart.
+MIN_PLANE_SPREAD = 0.01
+#: A fitted attention scale outside these bounds is taken for noise (a handful of noisy samples, e.g. the start-up
+#: probe's) and the one-slope line prices the replica instead.
+ATTN_SCALE_BOUNDS = (0.05, 20.0)
+
+
+class OnlinePlane:
+    """Exponentially weighted relative least squares (each sample weighs 1/y², as ``OnlineLine(relative=True)``) for
+    ``y ≈ a + b₁·x₁ + b₂·x₂``: a prefill's seconds from its matrix-product FLOPs (x₁) and its attention FLOPs (x₂).
+
+    It rejects nothing itself: ``MfuEstimator`` feeds it the samples its line accepted. ``fit`` answers only when the
+    two regressors are told apart (``MIN_PLANE_SPREAD``) and the fit is physical (a ≥ 0, both slopes > 0; a negative
+    intercept is refitted at 0); else None and the caller keeps the one-slope line."""
+
+    __slots__ = ("decay", "min_obs", "n", "s")
+
+    def __init__(self, *, halflife: float = 50.0, min_obs: int = 5) -> None:
+        if halflife <= 0 or min_obs < 3:
+            raise ValueError(f"need halflife > 0 and min_obs >= 3, got {halflife}, {min_obs}")
+        self.decay = 0.5 ** (1.0 / halflife)
+        self.min_obs = min_obs
+        self.n = 0
+        # weighted sums: w, x1, x2, x1², x1·x2, x2², y, x1·y, x2·y
+        self.s = [0.0] * 9
+
+    def observe(self, x1: float, x2: float, y: float) -> None:
+        if not (math.isfinite(x1) and math.isfinite(x2) and y > 0 and math.isfinite(y)):
+            raise ValueError(f"observation must be finite with y > 0, got x1={x1} x2={x2} y={y}")
+        d, om = self.decay, 1.0 / (y * y)
+        for i, v in enumerate((1.0, x1, x2, x1 * x1, x1 * x2, x2 * x2, y, x1 * y, x2 * y)):
+            self.s[i] = d * self.s[i] + om * v
+        self.n += 1
+
+    def mean(self) -> tuple[float, float]:
+        """The samples' weighted mean (x₁, x₂); (0, 0) without samples."""
+        w, s1, s2 = self.s[0], self.s[1], self.s[2]
+        return (s1 / w, s2 / w) if w > 0 else (0.0, 0.0)
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(a, b₁, b₂)``, or None (class docstring)."""
+        if self.n < self.min_obs:
+            return None
+        w, s1, s2, s11, s12, s22, sy, s1y, s2y = self.s
+        if w <= 0:
+            return None
+        v11, v22, v12 = s11 * w - s1 * s1, s22 * w - s2 * s2, s12 * w - s1 * s2  # w² · (co)variances
+        if v11 <= 0 or v22 <= 0 or 1.0 - v12 * v12 / (v11 * v22) < MIN_PLANE_SPREAD:
+            return None
+        det = v11 * v22 - v12 * v12
+        c1, c2 = s1y * w - s1 * sy, s2y * w - s2 * sy
+        b1, b2 = (c1 * v22 - c2 * v12) / det, (c2 * v11 - c1 * v12) / det
+        a = (sy - b1 * s1 - b2 * s2) / w
+        if a < 0:  # through the origin
+            det0 = s11 * s22 - s12 * s12
+            if det0 <= 0:
+                return None
+            a, b1, b2 = 0.0, (s1y * s22 - s2y * s12) / det0, (s2y * s11 - s1y * s12) / det0
+        return (a, b1, b2) if b1 > 0 and b2 > 0 else None
+
+
 #: Fitted MFUs are snapped to a geometric grid of this relative step before anything prices with them: replicas
 #: whose fits agree within it share one ``Hardware`` object (``Calibrator.hardware``), and ``cost_based`` prices each
 #: hardware object once per request (issue 13, decision latency). 2% is far inside the model's own uncertainty (25%).
@@ -161,7 +223,16 @@ def snap_mfu(mfu: float) -> float:
 
 
 class MfuEstimator:
-    """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus).
+    """MFU of one replica from its prefills: seconds ≈ overhead + FLOPs / (MFU · peak · gpus), and once its prefills
+    tell them apart, the attention FLOPs at a rate of their own (``Hardware.attn_scale``, ``OnlinePlane``): seconds
+    ≈ overhead + (matrix-product FLOPs + attn_scale · attention FLOPs) / (MFU · peak · gpus).
+
+    Why two rates: one MFU for both terms did not fit vLLM's CPU engine (issue 13). Over the live comparisons of the
+    tiny heavy model on a 2-core AVX2 box, its attention cost ~0.3 of what its matrix products cost per FLOP, so the
+    one-MFU line priced a FETCH's short suffix over a long cached prefix far too slow (predicted 4.2 s, took 2.4 s)
+    and the cold prefills too fast; replayed over those runs' prefills (``bench.calibration_replay``), the median
+    relative error of the holders' prefill predictions went 0.13-0.22 → 0.11-0.13 in the three cost_based runs, over
+    all prefills 0.12-0.18 → 0.10-0.19 (better in 4 of 8 runs, worse by 0.01 in 2).
 
     The replica's start-up probe (``probe=True``: cold prefills of five lengths, timed while the other engines may
     be starting too) seeds the fit, so a replica is priced with what its engine measured before it served anything
@@ -179,6 +250,9 @@ class MfuEstimator:
         # relative least squares (``OnlineLine``): a prediction is judged by its relative error
         self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k, relative=True)  # probe + real
         self.served = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k, relative=True)  # real only
+        # the same samples (those each line accepted) with the attention term apart
+        self.plane = OnlinePlane(halflife=halflife, min_obs=min_obs)
+        self.served_plane = OnlinePlane(halflife=halflife, min_obs=min_obs)
         self._hw = hw
 
     def observe(self, tokens: int, cached_tokens: int, seconds: float, *, probe: bool = False) -> bool:
@@ -189,12 +263,22 @@ class MfuEstimator:
         flops = prefill_flops(self.base.model, tokens, cached_tokens)
         if flops <= 0:
             return False
+        linear = work_flops(self.base.model, tokens - cached_tokens, 0.0)
         if self.served.ready:  # the real prefills price the replica now: the seeded line is not read again
-            return False if probe else self.served.observe(flops, seconds)
-        accepted = self.line.observe(flops, seconds)
+            if probe:
+                return False
+            return self._feed(self.served, self.served_plane, linear, flops, seconds)
+        accepted = self._feed(self.line, self.plane, linear, flops, seconds)
         if not probe:
-            self.served.observe(flops, seconds)
+            self._feed(self.served, self.served_plane, linear, flops, seconds)
         return accepted
+
+    @staticmethod
+    def _feed(line: OnlineLine, plane: OnlinePlane, linear: float, flops: float, seconds: float) -> bool:
+        if not line.observe(flops, seconds):
+            return False
+        plane.observe(linear, flops - linear, seconds)
+        return True
 
     @property
     def ready(self) -> bool:
@@ -206,45 +290,69 @@ class MfuEstimator:
         return self.served.ready
 
     def fit(self) -> tuple[float, float] | None:
-        """The fitted (overhead s, s per FLOP): of the real prefills once there are enough, else of every sample."""
+        """The fitted (overhead s, s per FLOP) line, both terms alike: of the real prefills once there are enough,
+        else of every sample."""
         if self.served.ready:
             return self.served.fit()
         return self.line.fit() if self.line.ready else None
 
+    def priced(self) -> tuple[float, float, float] | None:
+        """What prices the replica: (overhead s, s per matrix-product FLOP, attn_scale), from the plane of the same
+        samples as ``fit`` when it tells the two terms apart (and the scale is within ``ATTN_SCALE_BOUNDS``), else
+        from ``fit`` with attn_scale 1; None until fitted."""
+        if self.served.ready or self.line.ready:
+            split = (self.served_plane if self.served.ready else self.plane).fit()
+            if split is not None and ATTN_SCALE_BOUNDS[0] <= split[2] / split[1] <= ATTN_SCALE_BOUNDS[1]:
+                return split[0], split[1], split[2] / split[1]
+        fit = self.fit()
+        return None if fit is None else (fit[0], fit[1], 1.0)
+
+    def predict(self, linear: float, attention: float) -> float | None:
+        """Seconds of a prefill of these matrix-product and attention FLOPs, as ``priced`` says (None: unfitted)."""
+        p = self.priced()
+        return None if p is None else p[0] + p[1] * (linear + p[2] * attention)
+
     @property
     def mfu(self) -> float:
-        fit = self.fit()
-        if fit is None:
+        p = self.priced()
+        if p is None:
             return self.base.mfu
         peak = self.base.gpu.bf16_tflops * TERA * self.base.gpus
-        return min(1.0, max(self.min_mfu, 1.0 / (fit[1] * peak)))
+        return min(1.0, max(self.min_mfu, 1.0 / (p[1] * peak)))
+
+    @property
+    def attn_scale(self) -> float:
+        p = self.priced()
+        return 1.0 if p is None else p[2]
 
     @property
     def overhead_s(self) -> float:
-        fit = self.fit()
-        return 0.0 if fit is None else fit[0]
+        p = self.priced()
+        return 0.0 if p is None else p[0]
 
     def hardware(self) -> Hardware:
         """The base hardware with the fitted MFU snapped to the grid (``snap_mfu``; the base itself until fitted),
         the same object while the snapped values do not move. A replica measured faster than its profile's peak
         (the profile is a placeholder, e.g. ``cpu-2core``, or wrong) gets the profile's peak raised to what it
-        sustains, at MFU 1: capping the MFU at 1 would keep every prediction for it too slow."""
-        fit = self.fit()
-        if fit is None:
+        sustains, at MFU 1: capping the MFU at 1 would keep every prediction for it too slow. ``attn_scale`` is
+        snapped to the same grid."""
+        p = self.priced()
+        if p is None:
             return self.base
         gpu = self.base.gpu
-        ratio = max(self.min_mfu, 1.0 / (fit[1] * gpu.bf16_tflops * TERA * self.base.gpus))
+        ratio = max(self.min_mfu, 1.0 / (p[1] * gpu.bf16_tflops * TERA * self.base.gpus))
         if ratio <= 1.0:
             mfu, tflops = snap_mfu(ratio), gpu.bf16_tflops
         else:
             mfu, tflops = 1.0, gpu.bf16_tflops * snap_ratio(ratio)
+        attn_scale = 1.0 if p[2] == 1.0 else snap_ratio(p[2])
         cur = self._hw
-        if mfu != cur.mfu or tflops != cur.gpu.bf16_tflops:
+        if mfu != cur.mfu or tflops != cur.gpu.bf16_tflops or attn_scale != cur.attn_scale:
             if tflops != gpu.bf16_tflops:
                 gpu = gpu.model_copy(update={
                     "bf16_tflops": tflops,
                     "description": f"{gpu.description} (peak raised to the {tflops:.3g} TFLOPS measured)".strip()})
-            self._hw = dataclasses.replace(self.base, gpu=gpu, mfu=mfu)
+            self._hw = dataclasses.replace(self.base, gpu=gpu, mfu=mfu, attn_scale=attn_scale)
         return self._hw
 
 
@@ -256,11 +364,11 @@ def _speed(est: MfuEstimator) -> float:
 
 def _slower(est: MfuEstimator, other: MfuEstimator) -> bool:
     """Whether ``est``'s fit predicts its own prefills (at their weighted mean FLOPs) slower than ``other``'s fit."""
-    mine, theirs, line = est.fit(), other.fit(), est.served
-    if mine is None or theirs is None or line.w <= 0:
+    if est.served_plane.n == 0:
         return False
-    x = line.sx / line.w
-    return mine[0] + mine[1] * x > theirs[0] + theirs[1] * x
+    point = est.served_plane.mean()
+    mine, theirs = est.predict(*point), other.predict(*point)
+    return mine is not None and theirs is not None and mine > theirs
 
 
 def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
@@ -356,8 +464,8 @@ class Calibrator:
         self._opts = {"halflife": halflife, "min_obs": min_obs, "outlier_k": outlier_k}
         self._mfu: dict[str, MfuEstimator] = {}
         self._tiers: dict[str, TierEstimator] = {}
-        # (id(base), mfu, peak TFLOPS) -> (base, hardware): one object per grid point
-        self._shared: dict[tuple[int, float, float], tuple[Hardware, Hardware]] = {}
+        # (id(base), mfu, peak TFLOPS, attn_scale) -> (base, hardware): one object per grid point
+        self._shared: dict[tuple[int, float, float, float], tuple[Hardware, Hardware]] = {}
         self._path: dict[str, float] = {}  # replica id -> EWMA of the request path's fixed seconds
         self._path_n: dict[str, int] = {}  # replica id -> samples in it
         # kept until the next observation (``_fleet_medians``, ``_fleet_path``): id(base) -> (base, proven, ready)
@@ -447,7 +555,7 @@ class Calibrator:
         if est is None:
             return hw
         own = est.hardware()
-        key = (id(est.base), own.mfu, own.gpu.bf16_tflops)
+        key = (id(est.base), own.mfu, own.gpu.bf16_tflops, own.attn_scale)
         shared = self._shared.get(key)
         if shared is None or shared[0] is not est.base:
             if len(self._shared) >= 4096:

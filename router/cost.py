@@ -7,15 +7,19 @@ loop; all call these same functions. Units: seconds, bytes, FLOPs, tokens. Bandw
 Formulas (DESIGN.md, "Why"):
     prefill FLOPs(s)   = 2·s·N + 4·s²·n_q·d·L_attn               (only full-attention layers are quadratic)
     kv_bytes_per_token = 2·n_kv·d·L_attn·bytes_per_elem
-    t_prefill(s)       = FLOPs(s) / (MFU·FLOPS_peak·gpus)
+    t_prefill(s)       = (2·s·N + a·4·s²·n_q·d·L_attn) / (MFU·FLOPS_peak·gpus)   (a = ``attn_scale``, 1 by default)
     t_fetch(s)         = latency + s·kv_bytes_per_token / (BW_util·BW_tier)
     s*                 = (MFU·F)/(BW_util·BW) · (n_kv·bytes_per_elem)/(2·n_q) − N/(2·n_q·d·L_attn)
 For BF16 (2 bytes) the break-even reduces to the design note's (MFU·F)/(BW_util·BW)·n_kv/n_q − N/(2·n_q·d·L_attn).
 Prefill of the uncached suffix when ``c`` tokens are already cached: FLOPs(s) − FLOPs(c).
+``attn_scale`` is the attention FLOPs' cost per FLOP relative to the matrix products' at the same MFU: what an engine
+measured apart from them (``router.calibration.MfuEstimator``; vLLM's CPU build on an AVX2 box ran its attention at
+~0.3 of its matrix products' cost per FLOP, ``bench/reports/live_agent_overflow``); 1 prices every FLOP alike.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from configs.schema import GpuProfile, ModelSpec, TierSpec
@@ -30,17 +34,20 @@ def kv_bytes_per_token(model: ModelSpec) -> int:
     return model.kv_bytes_per_token()
 
 
-def prefill_flops(model: ModelSpec, tokens: float, cached_tokens: float = 0.0) -> float:
-    """FLOPs to prefill positions [cached_tokens, tokens): linear term plus full-attention quadratic term."""
+def prefill_flops(model: ModelSpec, tokens: float, cached_tokens: float = 0.0, attn_scale: float = 1.0) -> float:
+    """FLOPs to prefill positions [cached_tokens, tokens): linear term plus full-attention quadratic term (its FLOPs
+    weighed by ``attn_scale``: module docstring)."""
     if cached_tokens < 0 or tokens < cached_tokens:
         raise ValueError(f"need 0 <= cached_tokens <= tokens, got cached={cached_tokens} tokens={tokens}")
-    return work_flops(model, tokens - cached_tokens, tokens**2 - cached_tokens**2)
+    return work_flops(model, tokens - cached_tokens, tokens**2 - cached_tokens**2, attn_scale)
 
 
-def work_flops(model: ModelSpec, tokens: float, tokens_sq: float) -> float:
+def work_flops(model: ModelSpec, tokens: float, tokens_sq: float, attn_scale: float = 1.0) -> float:
     """FLOPs of several prefills at once from their sums: ``tokens`` = Σ (P − c), ``tokens_sq`` = Σ (P² − c²)
-    (the prefill formula is linear in both, so a queue of prefills is priced from two numbers)."""
-    return 2.0 * tokens * model.params + 4.0 * tokens_sq * model.n_q * model.head_dim * model.full_attention_layers
+    (the prefill formula is linear in both, so a queue of prefills is priced from two numbers); the attention term
+    weighed by ``attn_scale``."""
+    return 2.0 * tokens * model.params + attn_scale * 4.0 * tokens_sq * model.n_q * model.head_dim * \
+        model.full_attention_layers
 
 
 def effective_flops(gpu: GpuProfile, mfu: float, gpus: int = 1) -> float:
@@ -60,10 +67,11 @@ def effective_bandwidth(tier: TierSpec, bw_util: float) -> float:
 
 
 def t_prefill(
-    model: ModelSpec, gpu: GpuProfile, tokens: float, *, mfu: float, gpus: int = 1, cached_tokens: float = 0.0
+    model: ModelSpec, gpu: GpuProfile, tokens: float, *, mfu: float, gpus: int = 1, cached_tokens: float = 0.0,
+    attn_scale: float = 1.0,
 ) -> float:
     """Seconds to prefill ``tokens`` when the first ``cached_tokens`` already have KV."""
-    return prefill_flops(model, tokens, cached_tokens) / effective_flops(gpu, mfu, gpus)
+    return prefill_flops(model, tokens, cached_tokens, attn_scale) / effective_flops(gpu, mfu, gpus)
 
 
 def fetch_bytes(model: ModelSpec, tokens: float) -> float:
@@ -122,6 +130,11 @@ class Hardware:
     mfu: float
     bw_util: float
     gpus: int = 1
+    attn_scale: float = 1.0  # the attention FLOPs' cost relative to the matrix products' (module docstring)
+
+    def __post_init__(self) -> None:
+        if not (self.attn_scale > 0 and math.isfinite(self.attn_scale)):
+            raise ValueError(f"attn_scale must be a finite number > 0, got {self.attn_scale}")
 
 
 def ttft(
@@ -144,7 +157,8 @@ def ttft(
     fetch = 0.0
     if tier is not None and cached > 0:
         fetch = t_fetch(hw.model, tier, cached, bw_util=hw.bw_util, latency_s=transfer_latency_s)
-    compute = t_prefill(hw.model, hw.gpu, prompt_tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached)
+    compute = t_prefill(hw.model, hw.gpu, prompt_tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached,
+                        attn_scale=hw.attn_scale)
     return queue_delay_s + fetch + compute
 
 
@@ -163,7 +177,7 @@ def split_point(
     """
 
     def head(h: float) -> float:
-        return t_prefill(hw.model, hw.gpu, h, mfu=hw.mfu, gpus=hw.gpus)
+        return t_prefill(hw.model, hw.gpu, h, mfu=hw.mfu, gpus=hw.gpus, attn_scale=hw.attn_scale)
 
     def tail(h: float) -> float:
         return t_fetch(hw.model, tier, cached_tokens - h, bw_util=hw.bw_util, latency_s=transfer_latency_s)
@@ -191,5 +205,6 @@ def ttft_split(
     """Predicted TTFT of SPLIT and its head length h: queue + overlap(head compute, tail fetch) + suffix prefill."""
     cached = min(cached_tokens, prompt_tokens)
     h, overlap = split_point(hw, cached_tokens=cached, tier=tier, transfer_latency_s=transfer_latency_s)
-    suffix = t_prefill(hw.model, hw.gpu, prompt_tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached)
+    suffix = t_prefill(hw.model, hw.gpu, prompt_tokens, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached,
+                       attn_scale=hw.attn_scale)
     return queue_delay_s + overlap + suffix, h

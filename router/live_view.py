@@ -383,7 +383,8 @@ class LiveView:
     def replica_rows(self) -> list[dict[str, Any]]:
         return [{"replica_id": rid, "node_id": load.node_id, "running": load.running, "waiting": load.waiting,
                  "hbm_blocks": self.index.held_blocks("replica", rid, "hbm"),
-                 "mfu": self.calibrator.hardware(rid, self.hardware).mfu, "gpu_profile": self.hardware.gpu.name,
+                 "mfu": (hw := self.calibrator.hardware(rid, self.hardware)).mfu, "attn_scale": hw.attn_scale,
+                 "gpu_profile": self.hardware.gpu.name,
                  "placement": msgspec.to_builtins(load.placement) if load.placement else None,
                  # its KV cache as its last report had it (``router.kv_admission``; None: not reported)
                  "kv_capacity_tokens": load.kv.capacity_tokens if load.kv else None,

@@ -103,8 +103,8 @@ class ReplicaBook:
         if load.waiting <= 0:
             return overhead
         if load.waiting_tokens > 0:
-            return overhead + work_flops(hw.model, load.waiting_tokens, load.waiting_tokens_sq) / effective_flops(
-                hw.gpu, hw.mfu, hw.gpus)
+            return overhead + work_flops(hw.model, load.waiting_tokens, load.waiting_tokens_sq,
+                                         hw.attn_scale) / effective_flops(hw.gpu, hw.mfu, hw.gpus)
         return overhead + load.waiting * load.mean_ttft_s
 
     def live(self, now: float) -> dict[str, ReplicaLoad]:

@@ -113,7 +113,7 @@ class HwCoeffs:
             raise ValueError(f"gpus must be >= 1, got {hw.gpus}")
         flops = hw.mfu * hw.gpu.bf16_tflops * TERA * hw.gpus
         self.lin = 2.0 * model.params / flops
-        self.quad = 4.0 * model.n_q * model.head_dim * model.full_attention_layers / flops
+        self.quad = hw.attn_scale * 4.0 * model.n_q * model.head_dim * model.full_attention_layers / flops
         self.kvb = float(kv_bytes_per_token(model))
         self.state = float(model.linear_state_bytes())
         self.tiers = tier_map

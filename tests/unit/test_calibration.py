@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 
@@ -9,7 +10,7 @@ import pytest
 
 from configs.schema import TierSpec
 from router import cost
-from router.calibration import Calibrator, MfuEstimator, OnlineLine, TierEstimator
+from router.calibration import Calibrator, MfuEstimator, OnlineLine, OnlinePlane, TierEstimator
 from tests.fakes.router import router_hw, router_tier_map
 
 
@@ -109,6 +110,59 @@ def test_mfu_fit_recovers_the_true_mfu() -> None:
         est.observe(100, 200, 1.0)  # cached > tokens
     with pytest.raises(ValueError):
         est.observe(100, 0, 0.0)
+
+
+def test_mfu_fit_separates_the_attention_rate_when_the_prefills_tell_it_apart() -> None:
+    """An engine whose attention costs 0.3 of its matrix products per FLOP (vLLM's CPU build on an AVX2 box):
+    cold prompts and short suffixes over long cached prefixes. The two-rate fit recovers both rates and predicts the
+    suffixes, which the one-MFU line over the same samples prices too slow."""
+    configured = router_hw(model="tiny-qwen3-heavy", gpu="cpu-2core", mfu=0.5)
+    model = configured.model
+    true_mfu, true_scale, overhead = 0.08, 0.3, 0.02
+    truth = dataclasses.replace(configured, mfu=true_mfu, attn_scale=true_scale)
+    est = MfuEstimator(configured, halflife=100)
+    rng = random.Random(3)
+    for i in range(60):
+        tokens = rng.randint(1500, 4000)
+        cached = 0 if i % 3 == 0 else tokens - rng.randint(100, 600)  # a cold prompt, then revisits
+        t = overhead + cost.ttft(truth, prompt_tokens=tokens, cached_tokens=cached)
+        est.observe(tokens, cached, t * rng.uniform(0.98, 1.02))
+    hw = est.hardware()
+    assert hw.mfu == pytest.approx(true_mfu, rel=0.05)
+    assert hw.attn_scale == pytest.approx(true_scale, rel=0.06)
+    assert est.overhead_s == pytest.approx(overhead, abs=0.01)
+    suffix = overhead + cost.ttft(truth, prompt_tokens=4000, cached_tokens=3600)
+    assert est.overhead_s + cost.ttft(hw, prompt_tokens=4000, cached_tokens=3600) == pytest.approx(suffix, rel=0.05)
+    linear, flops = cost.work_flops(model, 400, 0.0), cost.prefill_flops(model, 4000, 3600)
+    assert est.predict(linear, flops - linear) == pytest.approx(suffix, rel=0.05)
+    one = est.fit()
+    assert one is not None and one[0] + one[1] * flops > 1.1 * suffix  # the one-MFU line of the same samples
+    assert est.hardware() is hw
+
+
+def test_prefills_of_one_shape_keep_the_attention_priced_as_counted() -> None:
+    """Cold prompts of one length cannot tell the attention rate from the matrix products': attn_scale stays 1 and
+    the one-MFU line prices the replica (``OnlinePlane`` answers None)."""
+    configured = router_hw(mfu=0.5)
+    est = MfuEstimator(configured, halflife=100)
+    for k in range(20):
+        est.observe(2048, 0, 0.01 + cost.t_prefill(configured.model, configured.gpu, 2048, mfu=0.25) * (1 + k % 3 / 100))
+    assert est.served_plane.fit() is None and est.attn_scale == 1.0
+    assert est.hardware().attn_scale == 1.0 and est.hardware().mfu == pytest.approx(0.25, rel=0.1)
+    plane = OnlinePlane(min_obs=3)
+    for x1, x2 in [(1.0, 2.0), (2.0, 1.0), (3.0, 3.0), (1.0, 4.0)]:
+        plane.observe(x1, x2, 0.5 + 0.1 * x1 + 0.4 * x2)
+    assert plane.fit() == pytest.approx((0.5, 0.1, 0.4))
+    odd = MfuEstimator(configured, halflife=100)  # an attention "100× dearer" than the matrix products: noise
+    for tokens, cached in [(1000, 0), (2000, 0), (3000, 2500), (4000, 3900), (1500, 1000), (2500, 0)] * 2:
+        model = configured.model
+        linear = cost.work_flops(model, tokens - cached, 0.0)
+        odd.observe(tokens, cached, 1e-13 * (linear + 100 * (cost.prefill_flops(model, tokens, cached) - linear)))
+    assert odd.served_plane.fit() is not None and odd.attn_scale == 1.0
+    with pytest.raises(ValueError):
+        plane.observe(1.0, 1.0, 0.0)
+    with pytest.raises(ValueError):
+        OnlinePlane(min_obs=2)
 
 
 def test_tier_fit_reproduces_observed_transfers() -> None:

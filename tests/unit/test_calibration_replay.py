@@ -50,6 +50,6 @@ def test_the_command_prints_one_json_document(tmp_path: Path, capsys: pytest.Cap
     path.write_text(json.dumps(_records()))
     assert calibration_replay.main([str(path), "--model", "tiny-qwen3-heavy", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc[str(path)]) == {"plain", "relative", "relative_batch", "two_slope"}
+    assert set(doc[str(path)]) == {"plain", "relative", "router"}
     with pytest.raises(SystemExit):
         calibration_replay.main([str(path), "--model", "no-such-model"])

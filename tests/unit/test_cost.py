@@ -262,3 +262,18 @@ def test_shipped_specs_match_the_hand_specs() -> None:
         assert (g.bf16_tflops, g.hbm_gbps, g.hbm_gib) == (hand.bf16_tflops, hand.hbm_gbps, hand.hbm_gib)
     for hand in (HBM, DRAM, RDMA, SSD, REMOTE):
         assert (tiers[hand.name].bandwidth_gbps, tiers[hand.name].latency_s) == (hand.bandwidth_gbps, 0.0)
+
+
+def test_attn_scale_weighs_only_the_attention_term() -> None:
+    """``Hardware.attn_scale``: the attention FLOPs' cost relative to the matrix products' (fitted per replica by
+    ``router.calibration.MfuEstimator``); 1 is the FLOP count as is."""
+    lin = cost.work_flops(QWEN3_14B, 4096 - 1024, 0.0)
+    att = cost.work_flops(QWEN3_14B, 0.0, 4096**2 - 1024**2)
+    assert cost.prefill_flops(QWEN3_14B, 4096, 1024) == pytest.approx(lin + att)
+    assert cost.prefill_flops(QWEN3_14B, 4096, 1024, 0.25) == pytest.approx(lin + 0.25 * att)
+    hw = cost.Hardware(model=QWEN3_14B, gpu=H100, mfu=0.5, bw_util=0.8, attn_scale=0.25)
+    assert cost.ttft(hw, prompt_tokens=4096, cached_tokens=1024) == pytest.approx(
+        (lin + 0.25 * att) / cost.effective_flops(H100, 0.5))
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="attn_scale"):
+            cost.Hardware(model=QWEN3_14B, gpu=H100, mfu=0.5, bw_util=0.8, attn_scale=bad)

@@ -337,14 +337,16 @@ def test_cost_based_scales_to_many_replicas_and_hits() -> None:
 # ---- pricing equals router.cost --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("attn_scale", [1.0, 0.3])
 @pytest.mark.parametrize("model,gpu", [("qwen3-14b", "h100-sxm5-80gb"), ("qwen3.5-27b", "b200-sxm-192gb")])
-def test_fast_pricing_matches_cost_model(model: str, gpu: str) -> None:
-    hw = router_hw(model=model, gpu=gpu, mfu=0.37, bw_util=0.66, gpus=2)
+def test_fast_pricing_matches_cost_model(model: str, gpu: str, attn_scale: float) -> None:
+    hw = dataclasses.replace(router_hw(model=model, gpu=gpu, mfu=0.37, bw_util=0.66, gpus=2), attn_scale=attn_scale)
     tm = _latency_tiers()
     co = HwCoeffs(hw, tm)
     for prompt, cached in [(1, 0), (4096, 1024), (131072, 65536), (50000, 0)]:
         assert co.prefill(prompt, cached) == pytest.approx(
-            cost.t_prefill(hw.model, hw.gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached), rel=1e-12
+            cost.t_prefill(hw.model, hw.gpu, prompt, mfu=hw.mfu, gpus=hw.gpus, cached_tokens=cached,
+                           attn_scale=attn_scale), rel=1e-12
         )
         assert co.fetch(DRAM_REMOTE, cached) == pytest.approx(
             cost.t_fetch(hw.model, tm.dram_remote, cached, bw_util=hw.bw_util), rel=1e-12
