@@ -145,8 +145,9 @@ def test_prefills_of_one_shape_keep_the_attention_priced_as_counted() -> None:
     the one-MFU line prices the replica (``OnlinePlane`` answers None)."""
     configured = router_hw(mfu=0.5)
     est = MfuEstimator(configured, halflife=100)
+    solo = cost.t_prefill(configured.model, configured.gpu, 2048, mfu=0.25)
     for k in range(20):
-        est.observe(2048, 0, 0.01 + cost.t_prefill(configured.model, configured.gpu, 2048, mfu=0.25) * (1 + k % 3 / 100))
+        est.observe(2048, 0, 0.01 + solo * (1 + k % 3 / 100))
     assert est.served_plane.fit() is None and est.attn_scale == 1.0
     assert est.hardware().attn_scale == 1.0 and est.hardware().mfu == pytest.approx(0.25, rel=0.1)
     plane = OnlinePlane(min_obs=3)

@@ -160,23 +160,26 @@ def test_batch_sharing_splits_the_engine_between_the_prefills_in_flight() -> Non
 
 
 def test_a_recorded_overloaded_live_run_is_simulated_within_the_tolerance() -> None:
-    """A trimmed copy of a live comparison (``tests/data/sim_live_overflow``: the overflow workload on this project's
-    2-core AVX2 box, prefix_affinity with the pool off, overloaded, and cost_based; decision records, request logs
-    and the run's settings only). With the engines' busy-period fit (``bench.engine_fit``) both configurations'
-    simulated TTFT p50 are within 25% of the live ones, in the live order, and closer than with the router's one-MFU
-    fit of the prefills that ran alone, whose simulated engine was faster than the live one (0.86 and 0.76 of
-    live)."""
+    """The first run of each configuration of a live comparison (``tests/data/sim_live_overflow``: the overflow
+    workload on this project's 2-core AVX2 box, 2026-12-07; decision records, request logs and the run's settings
+    only): prefix_affinity with the pool off (overloaded: its queues grow for the whole run), round_robin and
+    cost_based with the pool. Timed by the engines' busy periods (``bench.engine_fit``), every configuration's
+    simulated TTFT p50 is within 25% of the live one and the simulator ranks them in the live order (with the
+    router's fit alone it ranked the two pool-on configurations the other way round)."""
     from pathlib import Path
 
     from bench.sim_live import TOLERANCE, simulate_run
+    from router.cost import work_flops
 
     work = Path(__file__).resolve().parents[1] / "data" / "sim_live_overflow"
-    fitted = simulate_run(work)
-    plain = simulate_run(work, engine_fit=False)
-    assert fitted["cluster"]["engine_cost"]["busy_periods"] >= 20 and plain["cluster"]["engine_cost"] is None
-    ratio = {c["configuration"]: c["sim_over_live_p50"] for c in fitted["configurations"]}
-    before = {c["configuration"]: c["sim_over_live_p50"] for c in plain["configurations"]}
-    assert set(ratio) == {"prefix_affinity-nopool", "cost_based"}
+    doc = simulate_run(work)
+    ratio = {c["configuration"]: c["sim_over_live_p50"] for c in doc["configurations"]}
+    assert set(ratio) == {"prefix_affinity-nopool", "round_robin", "cost_based"}
     assert all(abs(r - 1.0) <= TOLERANCE for r in ratio.values()), ratio
-    assert fitted["all_p50_within"] and fitted["same_order"]
-    assert all(abs(ratio[c] - 1.0) < abs(before[c] - 1.0) for c in ratio), (ratio, before)
+    assert doc["all_p50_within"] and doc["same_order"]
+    engine = doc["cluster"]["engine_cost"]
+    assert engine["busy_periods"] >= 50
+    # the attention's cost per FLOP against the matrix products' (the FLOP model's ratio is 1): well below it here
+    model = load_models()["tiny-qwen3-heavy"]
+    flop_ratio = work_flops(model, 0.0, 1.0) / work_flops(model, 1.0, 0.0)
+    assert 0.1 < engine["per_token_sq_s"] / engine["per_token_s"] / flop_ratio < 0.6
