@@ -2,18 +2,19 @@
 
 Who calls it: ``bench.sim_live`` fits one ``EngineCost`` on every run of a live comparison and hands it to the
 simulator (``bench.simulate.SimConfig.engine_cost``), which then times each simulated prefill with it. The policy
-inside the simulator still prices with the router's own model (``router.cost``: FLOPs at a fitted MFU), as the live
-router did: this module models what the engine did, not what the router believed.
+inside the simulator still prices with the router's own model (``router.cost``: FLOPs at a fitted MFU and attention
+scale), as the live router did: this module models what the engine did, not what the router believed.
 
-Why not the router's fit: the router's ``MfuEstimator`` fits one MFU to the FLOPs of prefills timed alone, weighted
-for relative error (its predictions are judged that way). A queue sees engine-seconds, so the simulated engine must
-spend what the live one spent in total, and the live prefills that overlapped others are most of an overloaded
-run's work. And one MFU for both terms of the FLOPs (``router.cost.work_flops``: 2·N per token, plus attention
-quadratic in the position) does not fit a CPU engine: fitted apart on two live comparisons of the tiny heavy model,
-the attention term cost 3-5× less per FLOP than the matrix products, so a short suffix over a long cached prefix
-(every pool-on revisit) took far less than a one-MFU line says, while the long cold prefills (every pool-off turn)
-took more; the simulator was 0.68-0.70 of the live TTFT p50 for the overloaded pool-off configurations and up to
-1.25 for cost_based once the MFU was fitted on busy time.
+Why not the router's fit: the router's ``MfuEstimator`` fits the prefills timed alone, weighted for relative error
+(its predictions are judged that way). A queue sees engine-seconds, so the simulated engine must spend what the live
+one spent in total, and the live prefills that overlapped others are most of an overloaded run's work. Until the
+router priced the attention apart (``Hardware.attn_scale``), its one MFU for both terms of the FLOPs
+(``router.cost.work_flops``) did not fit a CPU engine either: fitted apart on two live comparisons of the tiny heavy
+model, the attention term cost ~0.3 of what the matrix products cost per FLOP, so a short suffix over a long cached
+prefix (every pool-on revisit) took far less than a one-MFU line says, while the long cold prefills (every pool-off
+turn) took more; the simulator was 0.68-0.70 of the live TTFT p50 for the overloaded pool-off configurations of
+``bench/reports/live_agent_overflow/overloaded_avx2_box_at_ef7569b``, and up to 1.25 for cost_based once one MFU
+was fitted on busy time.
 
 The model, per replica: while at least one prefill is in flight the engine works on them (vLLM's continuous batching
 is work-conserving), so a busy period — a maximal union of overlapping [scheduled, first token] intervals on one

@@ -20,12 +20,12 @@ log and decision records) and simulates every configuration on what that run saw
   ``PrefixCacheAffinityRouter`` routes on the longest prefix match).
 - **the costs the live timeline shows** (``DecisionRecord.timeline`` of the configuration's own records): the
   router's model of the engine, fitted to the prefills it timed alone (scheduled → first token against the tokens
-  it computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU and the fixed
-  cost per prefill), which the simulated policies price with as the live router did; the engine itself, fitted to
-  its busy periods in every run (``bench.engine_fit``: seconds per computed token and per token² of attention,
-  least squares over the time the engines were busy, the fixed cost per prefill from the fit before), which times
-  the simulated prefills (``--no-engine-fit``: that MFU times them too, as before); the pool's calls for the
-  scheduler (lookup + lease; a load's whole wait on the pool from the engine's first ask,
+  it computed, no other prefill of that replica in flight; ``router.calibration.MfuEstimator``: MFU, attention
+  scale and the fixed cost per prefill), which the simulated policies price with as the live router did; the
+  engine itself, fitted to its busy periods in every run (``bench.engine_fit``: seconds per computed token and per
+  token² of attention, least squares over the time the engines were busy, the fixed cost per prefill from the fit
+  before), which times the simulated prefills (``--no-engine-fit``: the router's fit times them too, as before);
+  the pool's calls for the scheduler (lookup + lease; a load's whole wait on the pool from the engine's first ask,
   ``PoolRequestTiming.wait_s``, where recorded) as a per-prefill cost, and as a per-request cost the ingress +
   transport time (median) plus the time outside the router's view (the client's TTFT less the router's: HTTP
   proxy, client, a starved machine; ``bench.decision_audit.outside_router_gaps``), drawn per simulated request from
@@ -74,8 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kv-admission", dest="kv_admission", action="store_false",
                         help="engines admit every prompt at once (the simulator before it modelled KV admission)")
     parser.add_argument("--no-engine-fit", dest="engine_fit", action="store_false",
-                        help="time the simulated prefills with the router's one-MFU fit of the prefills that ran "
-                             "alone (the simulator before it fitted the engines' busy periods)")
+                        help="time the simulated prefills with the router's fit of the prefills that ran alone "
+                             "(the simulator before it fitted the engines' busy periods)")
 
 
 # ------------------------------------------------------------------------------------------- the workload
@@ -360,7 +360,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
 
 def _engine_line(engine: Mapping[str, Any] | None) -> str:
     if not engine:
-        return "the simulated prefills take what that MFU says (no busy-period fit)"
+        return "the simulated prefills take what that fit says (no busy-period fit)"
     return (f"the simulated prefills take what the engines' {engine['busy_periods']} busy periods say "
             f"({engine['per_token_s'] * 1e3:.3g} ms per token + {engine['per_token_sq_s'] * 1e9:.3g} ns per "
             f"token² of attention, `bench.engine_fit`)")
@@ -378,8 +378,7 @@ def render(doc: Mapping[str, Any]) -> str:
              f"tokens per node, block {cl['block_size']}, model `{cl['model_spec']}` on `{cl['gpu_profile']}`, "
              f"priced by the policies with the MFU, attention scale and per-prefill cost the router fits, fitted to "
              f"every configuration's live prefills together; {_engine_line(cl.get('engine_cost'))}; the time outside "
-             f"the router's view drawn per "
-             f"request from the configuration's own run.", "",
+             f"the router's view drawn per request from the configuration's own run.", "",
              "| configuration | live p50 | sim p50 | sim/live p50 | live mean | sim mean | sim/live mean | within "
              f"{doc['tolerance']:.0%} |", "|---|---|---|---|---|---|---|---|"]
     for c in doc["configurations"]:

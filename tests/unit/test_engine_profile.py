@@ -71,3 +71,18 @@ def test_an_unknown_device_keeps_the_placeholder_and_still_calibrates() -> None:
 def test_probe_lengths_fit_the_model_and_give_the_fit_enough_points() -> None:
     assert len(probe_lengths(4096)) == len(PROBE_FRACTIONS) and max(probe_lengths(4096)) == 2048
     assert max(probe_lengths(512)) <= 504 and len(probe_lengths(512)) == len(PROBE_FRACTIONS)
+
+
+def test_the_probe_also_fits_the_attention_rate_apart() -> None:
+    """An engine whose attention costs 0.4 of its matrix products per FLOP: the probe's cold prefills of five lengths
+    tell the two terms apart (the quadratic term grows faster), so the replica is priced with both before its first
+    request, and ``kvstack status`` shows the scale."""
+    view = make_view(gpu_profile="h100-sxm5-80gb")
+    true_hw = dataclasses.replace(view.hardware, mfu=0.12, attn_scale=0.4)
+    profile = EngineProfile(device="NVIDIA H100 80GB HBM3", prefills=[
+        PrefillSample(n, t_prefill(true_hw.model, true_hw.gpu, n, mfu=0.12, attn_scale=0.4))
+        for n in probe_lengths(4096)])
+    view.apply(PollReply(cursor=1, reports=[report(profile)]))
+    (row,) = view.replica_rows()
+    assert row["mfu"] == pytest.approx(0.12, rel=0.03)
+    assert row["attn_scale"] == pytest.approx(0.4, rel=0.03)
