@@ -148,7 +148,7 @@ class OnlineLine:
 MIN_PLANE_SPREAD = 0.01
 #: A fitted attention scale outside these bounds is taken for noise (a handful of noisy samples, e.g. the start-up
 #: probe's) and the one-slope line prices the replica instead.
-ATTN_SCALE_BOUNDS = (0.05, 20.0)
+ATTN_SCALE_BOUNDS = (0.01, 100.0)
 
 
 class OnlinePlane:

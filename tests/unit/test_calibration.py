@@ -154,11 +154,11 @@ def test_prefills_of_one_shape_keep_the_attention_priced_as_counted() -> None:
     for x1, x2 in [(1.0, 2.0), (2.0, 1.0), (3.0, 3.0), (1.0, 4.0)]:
         plane.observe(x1, x2, 0.5 + 0.1 * x1 + 0.4 * x2)
     assert plane.fit() == pytest.approx((0.5, 0.1, 0.4))
-    odd = MfuEstimator(configured, halflife=100)  # an attention "100× dearer" than the matrix products: noise
+    odd = MfuEstimator(configured, halflife=100)  # an attention "1000× dearer" than the matrix products: noise
     for tokens, cached in [(1000, 0), (2000, 0), (3000, 2500), (4000, 3900), (1500, 1000), (2500, 0)] * 2:
         model = configured.model
         linear = cost.work_flops(model, tokens - cached, 0.0)
-        odd.observe(tokens, cached, 1e-13 * (linear + 100 * (cost.prefill_flops(model, tokens, cached) - linear)))
+        odd.observe(tokens, cached, 1e-13 * (linear + 1000 * (cost.prefill_flops(model, tokens, cached) - linear)))
     assert odd.served_plane.fit() is not None and odd.attn_scale == 1.0
     with pytest.raises(ValueError):
         plane.observe(1.0, 1.0, 0.0)
