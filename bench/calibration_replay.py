@@ -32,7 +32,7 @@ from bench.decision_audit import DEFAULT_WARMUP
 from configs.loader import load_models
 from configs.schema import GpuProfile, ModelSpec
 from router.calibration import MfuEstimator, OnlineLine
-from router.cost import Hardware, prefill_flops, work_flops
+from router.cost import Hardware, prefill_flops, prefill_terms
 from router.decision import RequestTimeline
 
 
@@ -81,8 +81,7 @@ class RouterFit:
         return self.est.proven
 
     def predict(self, prompt: int, cached: int) -> float:
-        linear = work_flops(self.model, prompt - cached, 0.0)
-        got = self.est.predict(linear, prefill_flops(self.model, prompt, cached) - linear)
+        got = self.est.predict(*prefill_terms(self.model, prompt, cached))
         return math.nan if got is None else got
 
     def observe(self, prompt: int, cached: int, seconds: float) -> None:

@@ -3,14 +3,16 @@
 Who calls what:
 - ``router.ingress.OpenAIIngress`` calls ``generate(GenerateRequest)`` through a Serve handle (streaming) after
   ``deployments.request_router.DecisionRequestRouter`` picked this replica for it; it receives ``GenerateChunk``s.
-- The replica publishes its routing stats (running/waiting requests, KV use (``deployments.kv_occupancy``: what its
+- The replica publishes its routing stats (running/waiting requests, the waiting prefill work and how far the
+  engine has come with the oldest (``deployments.prefill_queue``), KV use (``deployments.kv_occupancy``: what its
   in-flight requests hold of the engine's KV cache and when they free it), the block keys of prefixes it has
   computed — its HBM prefix cache as the router models it) to the ``router.hub.ClusterViewHub`` actor every
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
 - With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
   (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
-  ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)``; the routers calibrate their tier prices
-  with them.
+  ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)`` in a task of its own
+  (``deployments.transfer_drain``: the engine answers between steps, and a report must not wait for a long
+  prefill); the routers calibrate their tier prices with them.
 - Once a request's first chunk is out, the pool blocks of the prefix the engine reused are touched in this node's shard
   (no wait), so a prefix served from HBM stays fresh in the pool's eviction order.
 - A request's fetch plan travels on to the connector as a hint (the shard to look up first); with a policy that
@@ -54,6 +56,8 @@ from deployments.engine_probe import probe_engine
 from deployments.engine_settings import EngineSettings
 from deployments.engine_worker import BINDING_METHOD, WORKER_EXTENSION
 from deployments.kv_occupancy import KvOccupancyTracker
+from deployments.prefill_queue import PrefillQueue
+from deployments.transfer_drain import TransferDrain
 from router.hub import (
     DEFAULT_HUB_NAME,
     CpuBinding,
@@ -271,12 +275,10 @@ class VLLMReplica:
         # the device and timed cold prefills: the routers price this replica with what its engine measured
         self.profile = await probe_engine(self.engine, self.settings.max_model_len, self.settings.startup_probe)
         self.running = 0
-        self.waiting = 0
         # What the in-flight requests hold of the engine's KV cache and when they free it (ReplicaReport.kv)
         self.kv_occupancy = KvOccupancyTracker(self.settings.block_size, self._kv_capacity_tokens())
-        # Prefill work of the waiting requests (before their first token): Σ (P − c), Σ (P² − c²) (ReplicaReport)
-        self.waiting_tokens = 0
-        self.waiting_tokens_sq = 0
+        # The waiting requests (before their first output), their prefill work and the oldest one's progress
+        self.prefills = PrefillQueue()
         self._seq = 0
         self._hub = None
         self._hub_address = (hub_name, hub_namespace)
@@ -284,7 +286,8 @@ class VLLMReplica:
             self._hub = get_or_create_hub(hub_name, hub_namespace)
         self._stats_interval_s = stats_interval_s
         self._served = 0  # requests finished here (the pool's transfer records are drained only after new ones)
-        self._drained_at_served = 0
+        # the engine connector's finished loads, read without making a report wait on the engine's step
+        self._transfers = TransferDrain(self._read_transfer_records, name=self.replica_id)
         self._pending_samples: list[TransferSample] = []  # SPLIT pulls, sent with the next report
         self._publisher = asyncio.get_event_loop().create_task(self._publish_loop()) if self._hub else None
         p = self.cpu_claim.placement
@@ -363,14 +366,10 @@ class VLLMReplica:
             request = msgspec.msgpack.decode(request, type=GenerateRequest)
         check_version(request.version, "GenerateRequest")
         received = time.monotonic()
-        self.waiting += 1
         first = True
         finished = False
         prompt_tokens = len(request.prompt_token_ids)
-        reused = min(max(request.planned_reuse_tokens, 0), prompt_tokens)
-        work = (prompt_tokens - reused, prompt_tokens * prompt_tokens - reused * reused)
-        self.waiting_tokens += work[0]
-        self.waiting_tokens_sq += work[1]
+        waiting = self.prefills.add(prompt_tokens, request.planned_reuse_tokens, received)
         try:
             from vllm.inputs import tokens_input
 
@@ -391,9 +390,7 @@ class VLLMReplica:
                 prompt_logprobs = None
                 touch = False
                 if first:
-                    self.waiting -= 1
-                    self.waiting_tokens -= work[0]
-                    self.waiting_tokens_sq -= work[1]
+                    self.prefills.first_output(waiting, time.monotonic())
                     self.running += 1
                     first = False
                     touch = True  # once the first chunk is out: the touch costs its TTFT nothing
@@ -429,9 +426,7 @@ class VLLMReplica:
         finally:
             self.kv_occupancy.end(request.request_id, time.monotonic(), finished)
             if first:
-                self.waiting -= 1
-                self.waiting_tokens -= work[0]
-                self.waiting_tokens_sq -= work[1]
+                self.prefills.drop(waiting)
             else:
                 self.running -= 1
             self._served += 1
@@ -516,55 +511,54 @@ class VLLMReplica:
                 return True, ""
             if time.monotonic() >= end:
                 return False, (f"vLLM kept refusing to reset its prefix cache for {deadline_s:.0f} s: blocks in use "
-                               f"({self.running} running, {self.waiting} waiting)")
+                               f"({self.running} running, {self.prefills.waiting} waiting)")
             await asyncio.sleep(0.2)
 
     async def info(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "node_id": self.node_id, "startup_s": self.startup_s,
-                "running": self.running, "waiting": self.waiting, "hbm_blocks": len(self.ledger.snapshot()),
+                "running": self.running, "waiting": self.prefills.waiting, "hbm_blocks": len(self.ledger.snapshot()),
                 "kv_events_skipped": self._events.translator.skipped if self._events else 0,
                 "split": dataclasses.asdict(self.split_stats), "pool_touches": self.pool_touches,
                 "placement": msgspec.to_builtins(self.cpu_claim.placement)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (read by request routers that use it)."""
-        return {"running": self.running, "waiting": self.waiting}
+        return {"running": self.running, "waiting": self.prefills.waiting}
 
     async def check_health(self) -> None:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine of replica {self.replica_id} has errored")
 
-    async def _transfer_samples(self) -> list[TransferSample]:
-        """The pool fetches finished since the last call: the engine connector's loads (asked only after new
-        requests finished here; a failed ask loses those samples, nothing else) and this replica's SPLIT pulls."""
+    def _transfer_samples(self) -> list[TransferSample]:
+        """The pool fetches finished since the last call: this replica's SPLIT pulls and the engine connector's
+        loads of a read that has answered (``deployments.transfer_drain``: started after new requests finished
+        here; the report never waits for it)."""
         samples, self._pending_samples = self._pending_samples, []
-        if self.pool is None or self._served == self._drained_at_served:
-            return samples
+        if self.pool is not None:
+            samples += self._transfers.collect(self._served)
+        return samples
+
+    async def _read_transfer_records(self) -> list[TransferSample]:
         from kvpool.connector.kv_connector import drain_transfer_records
         from kvpool.connector.meta import TransferRecord
 
-        self._drained_at_served = self._served
-        try:
-            per_worker = await asyncio.wait_for(self.engine.collective_rpc(drain_transfer_records), timeout=5.0)
-        except Exception as exc:  # noqa: BLE001 - calibration samples only
-            log.warning("replica %s: reading transfer records failed: %s", self.replica_id, exc)
-            return samples
-        for raw in (r for worker in per_worker for r in (worker or [])):
-            rec = msgspec.msgpack.decode(raw, type=TransferRecord)
-            samples.append(TransferSample(rec.shard_id, rec.ssd_blocks > 0, rec.bytes_moved, rec.seconds))
-        return samples
+        per_worker = await self.engine.collective_rpc(drain_transfer_records)
+        return [TransferSample(rec.shard_id, rec.ssd_blocks > 0, rec.bytes_moved, rec.seconds)
+                for raw in (r for worker in per_worker for r in (worker or []))
+                for rec in [msgspec.msgpack.decode(raw, type=TransferRecord)]]
 
     async def _publish_loop(self) -> None:
         first = True
         while True:
-            transfers = await self._transfer_samples()
+            transfers = self._transfer_samples()
             with self.ledger.lock:
                 stored, removed = self.ledger.drain()
                 snapshot = self.ledger.snapshot() if first else []
             self._seq += 1
             report = ReplicaReport(
                 replica_id=self.replica_id, node_id=self.node_id, seq=self._seq, running=self.running,
-                waiting=self.waiting, waiting_tokens=self.waiting_tokens, waiting_tokens_sq=self.waiting_tokens_sq,
+                waiting=self.prefills.waiting, waiting_tokens=self.prefills.tokens,
+                waiting_tokens_sq=self.prefills.tokens_sq, head=self.prefills.head(time.monotonic()),
                 layout_fingerprint=self._fingerprint, stored=snapshot if first else stored,
                 removed=[] if first else removed, full=first, sent_at=time.time(), transfers=transfers,
                 placement=self.cpu_claim.placement, profile=self.profile, kv=self.kv_occupancy.occupancy(),
@@ -585,6 +579,8 @@ class VLLMReplica:
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.cancel()
+        if getattr(self, "_transfers", None) is not None:
+            self._transfers.close()
         if getattr(self, "_events", None) is not None:
             self._events.stop()
         engine = getattr(self, "engine", None)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 
 from configs.schema import TierSpec
-from router.cost import GB, TERA, Hardware, prefill_flops, work_flops
+from router.cost import GB, TERA, Hardware, prefill_terms
 from router.policies.pricing import TierMap
 
 TIER_CLASSES = ("dram_local", "dram_remote", "ssd_local", "ssd_remote")
@@ -260,10 +260,10 @@ class MfuEstimator:
         of the start-up probe's)."""
         if seconds <= 0:
             raise ValueError(f"prefill seconds must be positive, got {seconds}")
-        flops = prefill_flops(self.base.model, tokens, cached_tokens)
+        linear, attention = prefill_terms(self.base.model, tokens, cached_tokens)
+        flops = linear + attention
         if flops <= 0:
             return False
-        linear = work_flops(self.base.model, tokens - cached_tokens, 0.0)
         if self.served.ready:  # the real prefills price the replica now: the seeded line is not read again
             if probe:
                 return False

@@ -42,6 +42,13 @@ def prefill_flops(model: ModelSpec, tokens: float, cached_tokens: float = 0.0, a
     return work_flops(model, tokens - cached_tokens, tokens**2 - cached_tokens**2, attn_scale)
 
 
+def prefill_terms(model: ModelSpec, tokens: float, cached_tokens: float = 0.0) -> tuple[float, float]:
+    """The FLOPs of ``prefill_flops`` as its two terms, (matrix products, attention), the attention unweighed:
+    what a fit of the attention's own rate is fed (``router.calibration.MfuEstimator``)."""
+    linear = work_flops(model, tokens - cached_tokens, 0.0)
+    return linear, prefill_flops(model, tokens, cached_tokens) - linear
+
+
 def work_flops(model: ModelSpec, tokens: float, tokens_sq: float, attn_scale: float = 1.0) -> float:
     """FLOPs of several prefills at once from their sums: ``tokens`` = Σ (P − c), ``tokens_sq`` = Σ (P² − c²)
     (the prefill formula is linear in both, so a queue of prefills is priced from two numbers); the attention term

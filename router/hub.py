@@ -115,6 +115,18 @@ class EngineProfile(msgspec.Struct, frozen=True, kw_only=True):
     prefills: list[PrefillSample] = []
 
 
+class PrefillHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The oldest waiting request of a replica (received, no first output yet): the prefill its engine is computing
+    now, as vLLM schedules waiting prefills first come, first served. ``tokens`` / ``tokens_sq``: its work, P − c and
+    P² − c² (as ``ReplicaReport.waiting_tokens``); ``elapsed_s``: how long the engine has been at it, as far as the
+    replica can tell: since the later of its arrival and the replica's last first output (the engine moved on to it
+    then). The routers take the elapsed part off the queue they price (``router.replica_book``)."""
+
+    tokens: int
+    tokens_sq: int
+    elapsed_s: float
+
+
 class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     version: int = HUB_WIRE_VERSION
     replica_id: str
@@ -126,6 +138,7 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     # to reuse): the routers price it with the replica's fitted prefill rate (``router.replica_book``).
     waiting_tokens: int = 0
     waiting_tokens_sq: int = 0
+    head: PrefillHead | None = None  # the oldest of them and how far its prefill has come (None: none waiting)
     # the layout its engine registered (the pool connector's handshake; "" with the pool off): the layout part of
     # the block-key namespace, which the routers adopt so that their keys, per salt, are the replica's and the pool's
     layout_fingerprint: str = ""

@@ -39,7 +39,7 @@ from router.calibration import TIER_CLASSES, Calibrator
 from router.cost import Hardware
 from kvpool.connector.timing import PoolRequestTiming
 from router.decision import AuditLog, DecisionRecord, RequestTimeline
-from router.hub import EngineProfile, PollReply, ReplicaReport, get_or_create_hub
+from router.hub import EngineProfile, PollReply, PrefillHead, ReplicaReport, get_or_create_hub
 from router.kv_admission import KvAdmission
 from router.index import PrefixIndex
 from router.ingress_settings import IngressSettings
@@ -180,7 +180,8 @@ class LiveView:
             sent = sent_at(report, now)
             self.book.report(report.replica_id, report.node_id, report.running, report.waiting, now, report.placement,
                              waiting_work=(report.waiting_tokens, report.waiting_tokens_sq),
-                             kv=None if report.kv is None else KvAdmission.of(report.kv, sent))
+                             kv=None if report.kv is None else KvAdmission.of(report.kv, sent),
+                             head=aged_head(report.head, now - sent))
             self.metrics.set_replica_load(report.replica_id, report.running + report.waiting, 0.0)
             if report.kv is not None:
                 self.metrics.set_replica_kv(report.replica_id, report.kv.capacity_tokens, report.kv.held_tokens)
@@ -417,6 +418,13 @@ REQUEST_TRANSPORT_S = 0.05
 
 #: The most a report's age (its wall-clock ``sent_at`` to now) is believed: more is the two hosts' clock skew.
 MAX_REPORT_AGE_S = 1.0
+
+
+def aged_head(head: PrefillHead | None, age_s: float) -> PrefillHead | None:
+    """A report's ``head`` as of its arrival: its engine has been at it ``age_s`` longer (the report's age)."""
+    if head is None or age_s <= 0:
+        return head
+    return PrefillHead(tokens=head.tokens, tokens_sq=head.tokens_sq, elapsed_s=head.elapsed_s + age_s)
 
 
 def sent_at(report: ReplicaReport, now: float) -> float:

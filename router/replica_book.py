@@ -17,10 +17,16 @@ The queue delay a replica's state carries is ``Calibrator.overhead_s`` (the fitt
 the prefill of the work waiting there: the replica reports its waiting requests' (received, no first token yet)
 Σ (P − c) and Σ (P² − c²) (P prompt tokens, c the tokens their decisions planned to reuse), priced with the
 replica's calibrated hardware: vLLM schedules waiting prefills first come, first served, so a new request's
-prefill starts after theirs (running requests in decode share the batch with it, so they do not count). A replica
-that does not report its work (0 tokens with requests waiting) costs one mean TTFT per waiting request, the older
-estimate, which counts every waiting request's own queueing again (issue 13: it over-predicted holders and
-fetches behind long first turns).
+prefill starts after theirs (running requests in decode share the batch with it, so they do not count). The
+oldest of them is the one the engine is computing: the time its engine has been at it (``ReplicaReport.head``,
+``deployments.prefill_queue``; aged by the report's age when it arrives) comes off, at most its own prefill. That
+queue is as of the report's arrival and kept until the next report (they come every ``stats_interval_s``, 0.5 s,
+far shorter than the prefills this matters for). Without it, overloaded live runs priced holders and fetches behind
+the whole of a long cold prefill that had mostly run (issue 13: cost_based's whole-TTFT error 0.18–0.31 at the
+median and 0.43–0.90 at p90 over five runs; replayed with the progress taken off, 0.13–0.21 and 0.36–0.56:
+``bench.queue_replay``). A replica that does not report its work (0 tokens with requests waiting) costs one mean
+TTFT per waiting request, the older estimate, which counts every waiting request's own queueing again (issue 13:
+it over-predicted holders and fetches behind long first turns).
 The hardware is ``Calibrator.hardware`` (replicas whose fitted MFUs agree share one object: the policy prices each
 hardware object once per request).
 """
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 
 from router.calibration import Calibrator
 from router.cost import Hardware, effective_flops, work_flops
-from router.hub import ReplicaPlacement
+from router.hub import PrefillHead, ReplicaPlacement
 from router.kv_admission import KvAdmission
 from router.policies.base import ReplicaColumns, ReplicaState, kv_free_tokens
 
@@ -48,6 +54,7 @@ class ReplicaLoad:
     waiting_tokens: int = 0  # the waiting requests' prefill work, Σ (P − c) and Σ (P² − c²) (ReplicaReport)
     waiting_tokens_sq: int = 0
     kv: KvAdmission | None = None  # its KV cache's admission (its last report's; None: not reported)
+    head: PrefillHead | None = None  # the oldest waiting request, its progress as of the report (None: not reported)
 
 
 class ReplicaBook:
@@ -69,12 +76,14 @@ class ReplicaBook:
     # ---- what changes a state ----------------------------------------------------------------------------------
     def report(self, replica_id: str, node_id: str, running: int, waiting: int, now: float,
                placement: ReplicaPlacement | None, waiting_work: tuple[int, int] = (0, 0),
-               kv: KvAdmission | None = None) -> None:
+               kv: KvAdmission | None = None, head: PrefillHead | None = None) -> None:
         """``waiting_work``: the waiting requests' prefill work as the replica reports it (0, 0: not reported);
-        ``kv``: its KV cache's admission (None: not reported)."""
+        ``kv``: its KV cache's admission (None: not reported); ``head``: the oldest waiting request and how long its
+        engine has been at it, as of ``now`` (None: not reported)."""
         prev = self.loads.get(replica_id)
         self.loads[replica_id] = ReplicaLoad(node_id, running, waiting, now, prev.mean_ttft_s if prev else 0.0,
-                                             placement or (prev.placement if prev else None), *waiting_work, kv)
+                                             placement or (prev.placement if prev else None), *waiting_work, kv,
+                                             head)
         self._dirty[replica_id] = None
 
     def observe_ttft(self, replica_id: str, ttft_s: float) -> None:
@@ -103,8 +112,12 @@ class ReplicaBook:
         if load.waiting <= 0:
             return overhead
         if load.waiting_tokens > 0:
-            return overhead + work_flops(hw.model, load.waiting_tokens, load.waiting_tokens_sq,
-                                         hw.attn_scale) / effective_flops(hw.gpu, hw.mfu, hw.gpus)
+            flops = effective_flops(hw.gpu, hw.mfu, hw.gpus)
+            queue = work_flops(hw.model, load.waiting_tokens, load.waiting_tokens_sq, hw.attn_scale) / flops
+            head = load.head
+            if head is not None and head.elapsed_s > 0:  # the part of the oldest prefill its engine has done
+                queue -= min(head.elapsed_s, work_flops(hw.model, head.tokens, head.tokens_sq, hw.attn_scale) / flops)
+            return overhead + queue
         return overhead + load.waiting * load.mean_ttft_s
 
     def live(self, now: float) -> dict[str, ReplicaLoad]:

@@ -447,6 +447,7 @@ def test_a_reset_vllm_refuses_is_asked_again_and_the_view_is_cleared_only_once_i
     import asyncio
     from types import SimpleNamespace
 
+    from deployments.prefill_queue import PrefillQueue
     from deployments.replica import VLLMReplica
 
     class Engine:
@@ -460,7 +461,7 @@ def test_a_reset_vllm_refuses_is_asked_again_and_the_view_is_cleared_only_once_i
     def replica(refusals: int) -> SimpleNamespace:
         led = HbmPrefixLedger(8)
         led.touch([k(1), k(2)])
-        return SimpleNamespace(engine=Engine(refusals), ledger=led, running=1, waiting=0)
+        return SimpleNamespace(engine=Engine(refusals), ledger=led, running=1, prefills=PrefillQueue())
 
     busy = replica(refusals=3)  # a request finishes after three refusals
     assert asyncio.run(VLLMReplica.reset_prefix_cache(busy, deadline_s=5.0)) == (True, "")
