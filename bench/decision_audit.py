@@ -40,7 +40,8 @@ from router.decision import RequestTimeline
 DEFAULT_WARMUP = 10
 
 
-def _quantiles(values: list[float]) -> dict[str, Any]:
+def quantiles(values: list[float]) -> dict[str, Any]:
+    """n, p50 and p90 of ``values`` (None for an empty list): the accuracy figures' shape."""
     if not values:
         return {"n": 0, "p50": None, "p90": None}
     arr = np.asarray(values, dtype=float)
@@ -51,7 +52,7 @@ def outside_router(ordered: Sequence[Mapping[str, Any]], requests: Iterable[Mapp
     """Client TTFT − router TTFT per matched request (``ordered``: the records by decision time): quantiles, max,
     mean and how requests were matched."""
     gaps, matched_by = outside_router_gaps(ordered, requests)
-    out = _quantiles(gaps)
+    out = quantiles(gaps)
     out.update(max=max(gaps) if gaps else None, mean=float(np.mean(gaps)) if gaps else None, matched_by=matched_by)
     return out
 
@@ -80,7 +81,7 @@ def outside_router_gaps(ordered: Sequence[Mapping[str, Any]], requests: Iterable
     return gaps, matched_by
 
 
-def stage_quantiles(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+def stagequantiles(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """``stages_s`` of the module docstring: records without a timeline are left out."""
     by_action: dict[str, dict[str, list[float]]] = {}
     for r in records:
@@ -90,7 +91,7 @@ def stage_quantiles(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
         per = by_action.setdefault(str(r.get("action")), {})
         for name, seconds in stages.items():
             per.setdefault(name, []).append(float(seconds))
-    return {action: {name: {**_quantiles(v), "mean": float(np.mean(v))} for name, v in per.items()}
+    return {action: {name: {**quantiles(v), "mean": float(np.mean(v))} for name, v in per.items()}
             for action, per in sorted(by_action.items())}
 
 
@@ -125,8 +126,8 @@ def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WAR
                 under, under_tokens = under + 1, under_tokens + diff
             else:
                 over, over_tokens = over + 1, over_tokens - diff
-    rel = {a: _quantiles(v) for a, v in sorted(relative.items())}
-    rel["all"] = _quantiles([x for v in relative.values() for x in v])
+    rel = {a: quantiles(v) for a, v in sorted(relative.items())}
+    rel["all"] = quantiles([x for v in relative.values() for x in v])
     extra = {} if requests is None else {"outside_router_s": outside_router(ordered, requests)}
     return {
         **extra,
@@ -134,7 +135,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, warmup: int = DEFAULT_WAR
         "by_replica": by_replica,
         "reused_token_fraction": (reused / prompt) if prompt else None,
         "median_prediction_error_s": {a: float(np.median(v)) for a, v in errors.items()},
-        "stages_s": stage_quantiles(ordered),
+        "stages_s": stagequantiles(ordered),
         "warmup_decisions": warmup,
         "relative_error": rel,
         "plan_check": {"compared": compared, "equal": equal, "under": under, "over": over,

@@ -31,9 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from bench.decision_audit import DEFAULT_WARMUP
+from bench.decision_audit import DEFAULT_WARMUP, quantiles
 
 MODELS = ("recorded", "waiting", "head")
 _QUEUE = re.compile(r"queue (\d+(?:\.\d+)?)")
@@ -84,7 +82,7 @@ def queues(run: Sequence[Priced], k: int, overhead: float) -> dict[str, float]:
     return {"recorded": d.queue, "waiting": overhead + total, "head": overhead + total - done}
 
 
-def replay(records: Sequence[dict[str, Any]], warmup: int = DEFAULT_WARMUP) -> dict[str, dict[str, float]]:
+def replay(records: Sequence[dict[str, Any]], warmup: int = DEFAULT_WARMUP) -> dict[str, dict[str, Any]]:
     run = priced(records)
     overhead: dict[str, float] = {}
     for p in run:
@@ -94,8 +92,7 @@ def replay(records: Sequence[dict[str, Any]], warmup: int = DEFAULT_WARMUP) -> d
         d = run[k]
         for model, q in queues(run, k, overhead[d.replica]).items():
             errors[model].append(abs(d.predicted - d.queue + q - d.actual) / d.actual)
-    return {m: {"n": len(e), "p50": float(np.median(e)) if e else float("nan"),
-                "p90": float(np.percentile(e, 90)) if e else float("nan")} for m, e in errors.items()}
+    return {m: quantiles(e) for m, e in errors.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     for path, models in doc.items():
+        if not models["recorded"]["n"]:
+            print(f"{path}: no priced decision after the warm-up")
+            continue
         cells = "  ".join(f"{m} {v['p50']:.3f} / {v['p90']:.3f}" for m, v in models.items())
         print(f"{path}: n {models['recorded']['n']}  |pred - actual| / actual p50 / p90:  {cells}")
     return 0

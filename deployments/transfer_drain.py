@@ -46,12 +46,11 @@ class TransferDrain:
         task = self._task
         if task is not None and task.done():
             self._task = None
-            if task.cancelled():
-                pass
-            elif (exc := task.exception()) is not None:
-                log.warning("replica %s: reading transfer records failed: %r", self._name, exc)
-            else:
-                out = task.result()
+            if not task.cancelled():  # cancelled: closed, nothing to send
+                if (exc := task.exception()) is None:
+                    out = task.result()
+                else:
+                    log.warning("replica %s: reading transfer records failed: %r", self._name, exc)
         if self._task is None and served != self._asked_at_served:
             self._asked_at_served = served
             self._task = asyncio.get_running_loop().create_task(self._timed_read())

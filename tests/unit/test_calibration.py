@@ -133,8 +133,9 @@ def test_mfu_fit_separates_the_attention_rate_when_the_prefills_tell_it_apart() 
     assert est.overhead_s == pytest.approx(overhead, abs=0.01)
     suffix = overhead + cost.ttft(truth, prompt_tokens=4000, cached_tokens=3600)
     assert est.overhead_s + cost.ttft(hw, prompt_tokens=4000, cached_tokens=3600) == pytest.approx(suffix, rel=0.05)
-    linear, flops = cost.work_flops(model, 400, 0.0), cost.prefill_flops(model, 4000, 3600)
-    assert est.predict(linear, flops - linear) == pytest.approx(suffix, rel=0.05)
+    linear, attention = cost.prefill_terms(model, 4000, 3600)
+    flops = linear + attention
+    assert est.predict(linear, attention) == pytest.approx(suffix, rel=0.05)
     one = est.fit()
     assert one is not None and one[0] + one[1] * flops > 1.1 * suffix  # the one-MFU line of the same samples
     assert est.hardware() is hw
@@ -156,9 +157,8 @@ def test_prefills_of_one_shape_keep_the_attention_priced_as_counted() -> None:
     assert plane.fit() == pytest.approx((0.5, 0.1, 0.4))
     odd = MfuEstimator(configured, halflife=100)  # an attention "1000× dearer" than the matrix products: noise
     for tokens, cached in [(1000, 0), (2000, 0), (3000, 2500), (4000, 3900), (1500, 1000), (2500, 0)] * 2:
-        model = configured.model
-        linear = cost.work_flops(model, tokens - cached, 0.0)
-        odd.observe(tokens, cached, 1e-13 * (linear + 1000 * (cost.prefill_flops(model, tokens, cached) - linear)))
+        linear, attention = cost.prefill_terms(configured.model, tokens, cached)
+        odd.observe(tokens, cached, 1e-13 * (linear + 1000 * attention))
     assert odd.served_plane.fit() is not None and odd.attn_scale == 1.0
     with pytest.raises(ValueError):
         plane.observe(1.0, 1.0, 0.0)
