@@ -1,5 +1,5 @@
 """Same-host transfers through shared memory: a peer's exported regions are mapped into this process and block ops
-are plain memory copies (one copy, no socket, no NIXL, no kernel-mediated CMA).
+are plain memory copies (one copy, no socket, no NIXL, no kernel-mediated CMA: ``kvpool.transfer.block_copy``).
 
 Who calls what: a pool shard (``kvpool.shard.actor``) allocates its DRAM arena in a memfd (``kvpool.arena``,
 ``shared=True``) and exports it here next to its NIXL/TCP endpoint (``register_shared``, same region id); a client
@@ -21,7 +21,6 @@ Rules (on top of ``kvpool.transfer.base`` / ``common``: versioned metadata, epoc
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
@@ -40,6 +39,7 @@ from kvpool.transfer.base import (
     TransferEndpoint,
     TransferResult,
 )
+from kvpool.transfer.block_copy import copy_blocks
 from kvpool.transfer.common import Admission, Deadline, OpTable, admit, all_failed, buffer_address, new_epoch
 from kvpool.transfer.metrics import TransferMetrics, transfer_metrics
 
@@ -239,26 +239,7 @@ class ShmEndpoint(TransferEndpoint):
             else:
                 # dict(): our own references to the mapped arrays, so a concurrent remove_peer cannot unmap them
                 # under the copy (an mmap with exported buffers refuses to close).
-                result = _copy(direction, table, local, dict(peer.arrays), deadline)
+                result = copy_blocks(direction, table, local, dict(peer.arrays), deadline)
         self._metrics.observe(self.backend, direction, result)
         return result
 
-
-def _copy(direction: str, table: OpTable, local: dict[int, np.ndarray], remote: dict[int, np.ndarray],
-          deadline: Deadline) -> TransferResult:
-    """The ops as ``memmove``s between the (validated, referenced) arrays; the deadline is checked every 64 ops."""
-    lbase = {rid: int(a.ctypes.data) for rid, a in local.items()}
-    rbase = {rid: int(a.ctypes.data) for rid, a in remote.items()}
-    move = ctypes.memmove
-    rows = table.rows
-    moved = 0
-    for i, (rr, ro, lr, lo, n) in enumerate(rows):
-        if i and not i & 63 and deadline.expired():
-            return TransferResult(ok=list(range(i)), failed=list(range(i, len(rows))), bytes_moved=moved,
-                                  seconds=deadline.elapsed(), error="deadline expired")
-        if direction == "read":
-            move(lbase[lr] + lo, rbase[rr] + ro, n)
-        else:
-            move(rbase[rr] + ro, lbase[lr] + lo, n)
-        moved += n
-    return TransferResult(ok=list(range(len(rows))), failed=[], bytes_moved=moved, seconds=deadline.elapsed())
