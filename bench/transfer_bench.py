@@ -8,7 +8,8 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
 - ``transports``: ``TransferEndpoint.read`` (and ``write`` at the largest batch) between this process and a
   spawned peer process, per backend (nixl, tcp, shm: the same-node path, the peer's memfd mapped here), block size
   (64 KiB, 1 MiB) and batch (ops per call, 1..1024). The client side runs as the connector's workers do (NIXL
-  without a progress thread).
+  without a progress thread). Reads land in one ascending run of the local buffer (a staging buffer's shape); shm's
+  ``read_scattered`` (largest batch) shuffles the local blocks too (the connector's loads into the KV cache).
   Blocks are visited in a shuffled order; each cell moves ``max(total, block*batch)`` bytes.
 - ``ray`` (``--ray``): the same read between two Ray nodes of a local cluster (127.0.0.2 / 127.0.0.3): the
   ``kvpool.shard`` actor on node A holds the arena; a client actor on node B reserves slots, writes them and reads
@@ -20,6 +21,7 @@ GB/s (1e9 bytes/s) with the median of ``--repeats`` runs:
   (``kvpool.ssd.SsdSlab``, buffered ``preadv`` one block at a time) reading its slab in shuffled order.
 
 Ratios per block size (largest batch): ``shm_over_memcpy`` (and ``_gather``; issue 13's goal: >= 0.8),
+``shm_scattered_over_memcpy``,
 ``shm_over_nixl``, ``nixl_over_memcpy`` (and ``_gather``), ``nixl_over_tcp`` (NIXL read /
 bare TCP socket), ``tcp_endpoint_over_tcp_socket``, ``ssd_over_direct_read`` (the SSD tier ``ssd_slab`` / direct
 read), ``file_io_over_direct_read`` (default ``file_io`` engine / direct read), ``ray_nixl_over_memcpy``.
@@ -187,6 +189,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     args.deadline_s,
                     seed=block,
                 )
+                if b == "shm":  # the connector's loads: shuffled slots into shuffled KV cache blocks
+                    cells[(b, "read_scattered", block, batches[-1])] = TransportCell(
+                        endpoints[b], f"bench-peer-{b}", "read_scattered", block, batches[-1], region_bytes,
+                        region_bytes, args.deadline_s, seed=block + 2)
         for cell in cells.values():  # warm-up: connections, prepared descriptor lists, page faults
             cell.once()
         memcpy_runs: list[float] = []
@@ -259,6 +265,7 @@ def _ratios(result: dict[str, Any], block_sizes: list[int], batch: int) -> dict[
         out[label] = {
             "shm_over_memcpy": div(shm, memcpy),
             "shm_over_memcpy_gather": div(shm, med("memcpy_gather", label)),
+            "shm_scattered_over_memcpy": div(med("transports", "shm", "read_scattered", label, str(batch)), memcpy),
             "shm_over_nixl": div(shm, nixl),
             "nixl_over_memcpy": div(nixl, memcpy),
             "nixl_over_memcpy_gather": div(nixl, med("memcpy_gather", label)),

@@ -84,21 +84,26 @@ class TransportCell:
         deadline_s: float,
         seed: int,
     ) -> None:
+        """``direction``: "read", "write", or "read_scattered" (a read whose local blocks are shuffled too, as the
+        connector's loads land in whichever KV cache blocks the engine gave the request; else the local side is
+        one ascending run)."""
         from kvpool.transfer import BlockOp
 
         nblocks = region_bytes // block
         perm = np.random.default_rng(seed).permutation(nblocks)
+        local = (np.random.default_rng(seed + 1).permutation(nblocks) if direction == "read_scattered"
+                 else np.arange(nblocks))
         calls = max(1, total // (block * batch))
         self.batches = []
         j = 0
         for _ in range(calls):
             ops = []
             for _ in range(batch):
-                ops.append(BlockOp(0, int(perm[j % nblocks]) * block, 0, (j % nblocks) * block, block))
+                ops.append(BlockOp(0, int(perm[j % nblocks]) * block, 0, int(local[j % nblocks]) * block, block))
                 j += 1
             self.batches.append(ops)
         self.nbytes = calls * batch * block
-        self.fn = ep.read if direction == "read" else ep.write
+        self.fn = ep.write if direction == "write" else ep.read
         self.peer = peer
         self.deadline_s = deadline_s
         self.errors: list[str] = []
