@@ -83,29 +83,34 @@ def _strided(arr: np.ndarray, n: int, length: int, src_side: tuple, dst_side: tu
     if (src_regions != src_regions[0]).any() or (dst_regions != dst_regions[0]).any():
         return None
     src_arr, dst_arr = src_side[2][int(src_regions[0])], dst_side[2][int(dst_regions[0])]
-    run = np.arange(n, dtype=np.int64) * length
-    if (dst_off == dst_off[0] + run).all() and not (src_off % length).any():
-        start = int(dst_off[0])
-        rows = src_arr[: src_arr.size // length * length].reshape(-1, length)
-        out = dst_arr[start: start + n * length].reshape(n, length)
-        index = src_off // length
-        for k in range(0, n, CHUNK_OPS):
-            if k and deadline.expired():
-                return _expired(k, n, k * length, deadline)
-            # mode="clip": the table checked the bounds; "raise" would copy through a buffer
-            np.take(rows, index[k: k + CHUNK_OPS], axis=0, out=out[k: k + CHUNK_OPS], mode="clip")
-        return _all_ok(n, n * length, deadline)
-    if (src_off == src_off[0] + run).all() and not (dst_off % length).any():
-        start = int(src_off[0])
-        rows = dst_arr[: dst_arr.size // length * length].reshape(-1, length)
-        block = src_arr[start: start + n * length].reshape(n, length)
-        index = dst_off // length
-        for k in range(0, n, CHUNK_OPS):
-            if k and deadline.expired():
-                return _expired(k, n, k * length, deadline)
-            rows[index[k: k + CHUNK_OPS]] = block[k: k + CHUNK_OPS]
-        return _all_ok(n, n * length, deadline)
-    return None
+    ascending = np.arange(n, dtype=np.int64) * length
+    if (dst_off == dst_off[0] + ascending).all() and not (src_off % length).any():  # gather into a run
+        slots, run, index = _slots(src_arr, length), _run(dst_arr, int(dst_off[0]), n, length), src_off // length
+
+        def step(k: int, j: int) -> None:  # mode="clip": the table checked the bounds; "raise" buffers the copy
+            np.take(slots, index[k:j], axis=0, out=run[k:j], mode="clip")
+    elif (src_off == src_off[0] + ascending).all() and not (dst_off % length).any():  # scatter from a run
+        slots, run, index = _slots(dst_arr, length), _run(src_arr, int(src_off[0]), n, length), dst_off // length
+
+        def step(k: int, j: int) -> None:
+            slots[index[k:j]] = run[k:j]
+    else:
+        return None
+    for k in range(0, n, CHUNK_OPS):
+        if k and deadline.expired():
+            return _expired(k, n, k * length, deadline)
+        step(k, k + CHUNK_OPS)
+    return _all_ok(n, n * length, deadline)
+
+
+def _slots(region: np.ndarray, length: int) -> np.ndarray:
+    """The region as rows of ``length`` bytes (the slots at offsets that are multiples of it)."""
+    return region[: region.size // length * length].reshape(-1, length)
+
+
+def _run(region: np.ndarray, start: int, n: int, length: int) -> np.ndarray:
+    """``n`` consecutive blocks of ``length`` bytes from ``start`` as rows."""
+    return region[start: start + n * length].reshape(n, length)
 
 
 def _addresses(arr: np.ndarray, region_col: int, offset_col: int, arrays: dict[int, np.ndarray]) -> np.ndarray:
