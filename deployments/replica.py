@@ -9,8 +9,8 @@ Who calls what:
   computed — its HBM prefix cache as the router models it) to the ``router.hub.ClusterViewHub`` actor every
   ``stats_interval_s``; the ingress replicas build their cluster view from the hub.
 - With the pool on, each report also carries the pool fetches the engine's connector finished since the last one
-  (``router.hub.TransferSample``: bytes and seconds, lease included), read from the workers with
-  ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)`` in a task of its own
+  (``router.hub.TransferSample``: bytes, seconds with the wait and lease included, and the read alone), read from
+  the workers with ``collective_rpc(kvpool.connector.kv_connector.drain_transfer_records)`` in a task of its own
   (``deployments.transfer_drain``: the engine answers between steps, and a report must not wait for a long
   prefill); the routers calibrate their tier prices with them.
 - Once a request's first chunk is out, the pool blocks of the prefix the engine reused are touched in this node's shard
@@ -476,7 +476,7 @@ class VLLMReplica:
         )
         if outcome.pulled and outcome.pull_s > 0:  # a pool fetch like any other, for the routers' tier fits
             self._pending_samples.append(TransferSample(plan.shard_id, plan.tier == "ssd", outcome.pull_bytes,
-                                                        outcome.pull_s))
+                                                        outcome.pull_s, read_s=outcome.pull_s))
         self.split_stats.heads_computed += int(outcome.head_s > 0)
         self.split_stats.blocks_pulled += outcome.pulled
         self.split_stats.failures += int(bool(outcome.error))
@@ -543,7 +543,7 @@ class VLLMReplica:
         from kvpool.connector.meta import TransferRecord
 
         per_worker = await self.engine.collective_rpc(drain_transfer_records)
-        return [TransferSample(rec.shard_id, rec.ssd_blocks > 0, rec.bytes_moved, rec.seconds)
+        return [TransferSample(rec.shard_id, rec.ssd_blocks > 0, rec.bytes_moved, rec.seconds, read_s=rec.read_s)
                 for raw in (r for worker in per_worker for r in (worker or []))
                 for rec in [msgspec.msgpack.decode(raw, type=TransferRecord)]]
 

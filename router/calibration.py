@@ -9,6 +9,8 @@ price with. Pure: no clocks, no I/O; the fits depend only on the observation seq
 The fits are the cost model's own lines (``router.cost``):
     prefill seconds  ≈ overhead + FLOPs(tokens, cached) / (MFU · peak · gpus)   → slope gives MFU
     transfer seconds ≈ latency  + bytes / (BW_util · BW_tier)                   → slope gives BW, intercept latency
+(a transfer reported with its read alone: the line is the read's, and the latency adds the median of the recent
+waits before the reads, ``TierEstimator``)
 fitted by exponentially weighted least squares (``OnlineLine``, half-life in observations; the prefill line for
 relative error, each sample weighing 1/seconds², since a prediction is judged by its relative error) with outlier
 rejection (a residual beyond ``outlier_k`` × the EW mean absolute residual is dropped, unless several in a row are:
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 
 from configs.schema import TierSpec
@@ -377,7 +381,16 @@ def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
 
 
 class TierEstimator:
-    """Bandwidth and latency of one tier class from transfers: seconds ≈ latency + bytes / (BW_util · BW)."""
+    """Bandwidth and latency of one tier class from transfers: seconds ≈ latency + bytes / (BW_util · BW).
+
+    A transfer reported with its read alone (``read_s``; the rest of its seconds is its wait before the read: the
+    lookup's and the lease's round trips and the engine step they end in) is fitted in two parts: the line over the
+    reads gives the bandwidth and the read's own latency, and the median of the last ``WAIT_WINDOW`` waits is added
+    to that latency. The waits do not grow with the bytes, but a line over whole seconds took them for bytes when
+    the longer waits fell on the larger fetches (live: 4-5 MB fetches priced at 0.2-1.4 s, "0.0 GB/s", whose whole
+    TTFT was 0.5-2.4 s; issue 13). A transfer without its read (None) is fitted whole, as before."""
+
+    WAIT_WINDOW = 64
 
     def __init__(self, tier: TierSpec, *, bw_util: float, halflife: float = 50.0, min_obs: int = 5,
                  outlier_k: float = 4.0) -> None:
@@ -388,12 +401,24 @@ class TierEstimator:
         # Fetches of similar sizes cannot separate latency from bandwidth: then the configured latency stands.
         self.line = OnlineLine(halflife=halflife, min_obs=min_obs, outlier_k=outlier_k,
                                fallback_intercept=tier.latency_s)
+        self._waits: deque[float] = deque(maxlen=self.WAIT_WINDOW)
         self._tier = tier
 
-    def observe(self, nbytes: float, seconds: float) -> bool:
+    def observe(self, nbytes: float, seconds: float, read_s: float | None = None) -> bool:
+        """One transfer: ``seconds`` end to end, ``read_s`` the read alone within them (None: not reported)."""
         if nbytes <= 0 or seconds <= 0:
             raise ValueError(f"transfer bytes and seconds must be positive, got {nbytes}, {seconds}")
-        return self.line.observe(nbytes, seconds)
+        if read_s is None:
+            return self.line.observe(nbytes, seconds)
+        if not 0 < read_s <= seconds:
+            raise ValueError(f"a transfer's read takes (0, {seconds}] of its seconds, got {read_s}")
+        self._waits.append(seconds - read_s)
+        return self.line.observe(nbytes, read_s)
+
+    @property
+    def wait_s(self) -> float:
+        """The median of the recent waits before a read (0 without any)."""
+        return statistics.median(self._waits) if self._waits else 0.0
 
     @property
     def effective_bandwidth_bps(self) -> float:
@@ -405,7 +430,7 @@ class TierEstimator:
     @property
     def latency_s(self) -> float:
         fit = self.line.fit() if self.line.ready else None
-        return self.base.latency_s if fit is None else fit[0]
+        return self.base.latency_s if fit is None else fit[0] + self.wait_s
 
     def tier_spec(self) -> TierSpec:
         """A ``TierSpec`` that, priced with the same ``bw_util``, reproduces the fitted line."""
@@ -482,8 +507,10 @@ class Calibrator:
         self._fleets.clear()
         return est.observe(tokens, cached_tokens, seconds, probe=probe)
 
-    def observe_transfer(self, tier_class: str, base: TierMap, nbytes: float, seconds: float) -> bool:
-        """A finished fetch from ``tier_class`` (one of ``TIER_CLASSES``, the ``TierMap`` field that priced it)."""
+    def observe_transfer(self, tier_class: str, base: TierMap, nbytes: float, seconds: float,
+                         read_s: float | None = None) -> bool:
+        """A finished fetch from ``tier_class`` (one of ``TIER_CLASSES``, the ``TierMap`` field that priced it):
+        ``seconds`` end to end, ``read_s`` its read alone (None: not reported; ``TierEstimator``)."""
         if tier_class not in TIER_CLASSES:
             raise ValueError(f"unknown tier class {tier_class!r}; expected one of {', '.join(TIER_CLASSES)}")
         est = self._tiers.get(tier_class)
@@ -491,7 +518,7 @@ class Calibrator:
             est = self._tiers[tier_class] = TierEstimator(
                 getattr(base, tier_class), bw_util=self.bw_util, **self._opts  # type: ignore[arg-type]
             )
-        return est.observe(nbytes, seconds)
+        return est.observe(nbytes, seconds, read_s)
 
     def fitted(self, replica_id: str) -> bool:
         """Whether the replica has a fit of its own real prefills (``MfuEstimator.proven``; before, its fleet's or

@@ -43,13 +43,16 @@ REPLICA_SILENCE_S = 10.0
 
 class TransferSample(msgspec.Struct, frozen=True, array_like=True):
     """One pool fetch a replica's connector finished: from which shard, whether the shard had to promote blocks
-    from SSD, and its cost to the request end to end (its wait on the pool from the engine's first ask, then the
-    read: ``kvpool.connector.meta.TransferRecord.seconds``). The routers fit their tier prices to these."""
+    from SSD, its cost to the request end to end (its wait on the pool from the engine's first ask, then the
+    read: ``kvpool.connector.meta.TransferRecord.seconds``) and the read alone within it (``read_s``; None: not
+    reported — the field is newer than the wire version, and decoders on both sides take a sample with or without
+    it). The routers fit their tier prices to these (``router.calibration.TierEstimator``)."""
 
     shard_id: str
     ssd: bool
     bytes_moved: int
     seconds: float
+    read_s: float | None = None
 
 
 class EngineWorkerBinding(msgspec.Struct, frozen=True, array_like=True):

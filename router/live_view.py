@@ -16,8 +16,9 @@ Who calls what (all inside one ``router.ingress.OpenAIIngress`` replica, on its 
 - ``record_first_token`` records the actual TTFT (regret, MFU calibration); ``request_done`` closes the assignment.
 - Tier calibration: replica reports carry the pool fetches their connectors finished (``router.hub.TransferSample``);
   each is classed as the policy prices it (DRAM/SSD × same/other node, the shard's node from the shard list) and
-  fed to ``Calibrator.observe_transfer``; once a class has enough samples the policy prices with the fitted
-  bandwidth and latency (``RoutingPolicy.update_tier_map``). Every router sees every replica's fetches.
+  fed to ``Calibrator.observe_transfer`` (with its read alone where the replica reports it and it lies within the
+  sample's seconds); once a class has enough samples the policy prices with the fitted bandwidth and latency
+  (``RoutingPolicy.update_tier_map``). Every router sees every replica's fetches.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class LiveView:
         self.transfers_unplaced = 0  # reported fetches from a shard this router does not know (yet): not used
         self.metrics.set_tier_prices(self.tier_prices())
         self.index = PrefixIndex(ttl_s=settings.replica_ttl_s)
-        self.book = ReplicaBook(ttl_s=settings.replica_ttl_s, calibrator=self.calibrator, hardware=lambda: self.hardware)
+        self.book = ReplicaBook(ttl_s=settings.replica_ttl_s, calibrator=self.calibrator,
+                                hardware=lambda: self.hardware)
         self.loads = self.book.loads  # replica id -> its last report's load (the book's; read-only here)
         self.layout_fingerprint = ""  # until a replica reports the layout its engine registered
         self._cursor = 0
@@ -229,7 +231,8 @@ class LiveView:
                 self.transfers_unplaced += 1
                 continue
             cls = TIER_CLASSES[tier_class("ssd" if t.ssd else "dram", shard_node == report.node_id)]
-            self.calibrator.observe_transfer(cls, self.base_tier_map, t.bytes_moved, t.seconds)
+            read_s = t.read_s if t.read_s is not None and 0 < t.read_s <= t.seconds else None
+            self.calibrator.observe_transfer(cls, self.base_tier_map, t.bytes_moved, t.seconds, read_s)
             self.metrics.observe_transfer(cls, t.bytes_moved)
 
     def _refresh_tier_map(self) -> None:

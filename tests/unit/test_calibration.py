@@ -404,3 +404,36 @@ def test_the_prefill_line_is_fitted_for_relative_error() -> None:
     # the first turns' median error does not get worse than the spread of the samples themselves allows
     first = statistics.median(first_turns)
     assert rel_err(relative, x_first, first) < 0.35
+
+
+def test_a_tier_fits_its_bandwidth_on_the_reads_and_adds_the_median_wait() -> None:
+    """Live, the longer waits before a read (lookup and lease round trips ending in a long engine step) fell on the
+    larger fetches: a line over whole seconds read them as bytes ("0.0 GB/s"). With the read reported apart, the
+    bandwidth is the reads' and the latency the read's own plus the median wait."""
+    base = TierSpec(name="loopback", bandwidth_gbps=2.5, latency_s=0.005)
+    split, whole = TierEstimator(base, bw_util=0.8, min_obs=5), TierEstimator(base, bw_util=0.8, min_obs=5)
+    waits = [0.01, 0.02, 0.015, 0.4, 1.2, 0.012, 1.5, 0.018]
+    for k, wait in enumerate(waits, start=1):
+        nbytes = k * 1e6
+        read_s = 0.001 + nbytes / 4e9  # 4 GB/s effective, 1 ms per read
+        split.observe(nbytes, wait + read_s, read_s)
+        whole.observe(nbytes, wait + read_s)
+    assert split.effective_bandwidth_bps == pytest.approx(4e9, rel=1e-3)
+    assert split.latency_s == pytest.approx(0.001 + statistics.median(waits), rel=1e-3)
+    assert split.tier_spec().latency_s == pytest.approx(split.latency_s)
+    assert whole.effective_bandwidth_bps < 0.05e9  # the waits taken for bytes
+    # A 5 MB fetch: the split fit prices what such fetches cost at the median; the whole line over 20 times more.
+    priced = split.latency_s + 5e6 / split.effective_bandwidth_bps
+    assert priced == pytest.approx(0.001 + 0.019 + 5e6 / 4e9, rel=1e-3)
+    assert whole.latency_s + 5e6 / whole.effective_bandwidth_bps > 20 * priced
+
+
+def test_a_tier_without_enough_reads_keeps_the_configured_latency_and_refuses_a_read_longer_than_its_transfer() -> None:
+    base = TierSpec(name="loopback", bandwidth_gbps=2.5, latency_s=0.005)
+    est = TierEstimator(base, bw_util=0.8, min_obs=5)
+    est.observe(1e6, 0.5, 0.001)
+    assert est.latency_s == 0.005 and est.wait_s == pytest.approx(0.499)  # the configured tier until min_obs
+    with pytest.raises(ValueError, match="read"):
+        est.observe(1e6, 0.01, 0.02)
+    with pytest.raises(ValueError, match="read"):
+        est.observe(1e6, 0.01, 0.0)

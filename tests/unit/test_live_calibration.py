@@ -117,3 +117,23 @@ def test_hub_snapshots_do_not_replay_transfers() -> None:
     assert len(hub.poll(0).reports[0].transfers) == 2
     snap = hub.poll(-1)
     assert snap.snapshot and snap.reports[0].transfers == []
+
+
+def test_a_sample_with_its_read_is_fitted_on_the_read_and_a_read_out_of_range_is_not_used() -> None:
+    """The replica reports each fetch's read apart from its wait (``TransferSample.read_s``): the policy prices the
+    reads' bandwidth plus the median wait; a read that does not lie within its sample's seconds is ignored (the
+    sample is fitted whole)."""
+    view = make_view()
+    waits = [0.01, 0.8, 0.02, 1.1, 0.015, 1.4]
+    samples = [TransferSample("shard-b", False, int(k * 1e6), w + 0.002 + k * 1e6 / 2e9,
+                              read_s=0.002 + k * 1e6 / 2e9) for k, w in enumerate(waits, start=1)]
+    view.apply(PollReply(cursor=1, reports=[report(1, samples)]))
+    priced = view.runner.policy._pricer.tier_map.dram_remote  # type: ignore[attr-defined]
+    assert priced.bandwidth_gbps * BW_UTIL == pytest.approx(2.0, rel=1e-3)
+    assert priced.latency_s == pytest.approx(0.002 + (0.02 + 0.8) / 2, rel=1e-3)
+
+    other = make_view()
+    bad = [TransferSample("shard-b", False, int(k * 1e6), 0.004 + k * 1e6 / 0.5e9, read_s=9.0) for k in range(1, 7)]
+    other.apply(PollReply(cursor=1, reports=[report(1, bad)]))
+    priced = other.runner.policy._pricer.tier_map.dram_remote  # type: ignore[attr-defined]
+    assert priced.bandwidth_gbps * BW_UTIL == pytest.approx(0.5, rel=1e-3)  # the whole seconds, as before
