@@ -114,12 +114,11 @@ def _run(region: np.ndarray, start: int, n: int, length: int) -> np.ndarray:
 
 
 def _addresses(arr: np.ndarray, region_col: int, offset_col: int, arrays: dict[int, np.ndarray]) -> np.ndarray:
-    """Each op's address on one side: its region's base plus its offset."""
-    regions = arr[:, region_col]
-    base = np.zeros(max(arrays) + 1, dtype=np.int64)
-    for rid, a in arrays.items():
-        base[rid] = a.ctypes.data
-    return base[regions] + arr[:, offset_col]
+    """Each op's address on one side: its region's base plus its offset (the table checked that every region is
+    one of ``arrays``; a peer's region ids are whatever it registered, so they index a sorted list, not a table)."""
+    ids = sorted(arrays)
+    bases = np.array([arrays[rid].ctypes.data for rid in ids], dtype=np.int64)
+    return bases[np.searchsorted(np.array(ids, dtype=np.int64), arr[:, region_col])] + arr[:, offset_col]
 
 
 def _merged(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, deadline: Deadline) -> TransferResult:

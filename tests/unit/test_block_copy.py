@@ -13,12 +13,14 @@ from kvpool.transfer.block_copy import CHUNK_OPS, copy_blocks
 from kvpool.transfer.common import Deadline, OpTable
 
 L = 256
+FAR = 1 << 40  # a region id a peer registered: ids are the peer's, not 0..n-1
 
 
 def _regions(seed: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     rng = np.random.default_rng(seed)
     local = {0: rng.integers(0, 256, 400 * L, dtype=np.uint8), 1: rng.integers(0, 256, 100 * L, dtype=np.uint8)}
-    remote = {0: rng.integers(0, 256, 300 * L, dtype=np.uint8), 2: rng.integers(0, 256, 300 * L, dtype=np.uint8)}
+    remote = {0: rng.integers(0, 256, 300 * L, dtype=np.uint8),
+              FAR: rng.integers(0, 256, 300 * L, dtype=np.uint8)}
     return local, remote
 
 
@@ -43,13 +45,13 @@ def _shapes(seed: int) -> dict[str, list[BlockOp]]:
     return {
         "small": [BlockOp(0, int(s) * L, 0, i * L, L) for i, s in enumerate(slots[:20])],
         "gather": [BlockOp(0, int(s) * L, 0, 7 * L + i * L, L) for i, s in enumerate(slots[:200])],
-        "scatter": [BlockOp(2, 5 * L + i * L, 0, int(s) * L, L) for i, s in enumerate(slots[:200])],
+        "scatter": [BlockOp(FAR, 5 * L + i * L, 0, int(s) * L, L) for i, s in enumerate(slots[:200])],
         "scattered both": [BlockOp(0, int(s) * L, 0, int(d) * L, L)
                            for s, d in zip(slots[:150], rng.permutation(400)[:150], strict=True)],
         "unaligned": [BlockOp(0, int(s) * L + 3, 0, i * L, L) for i, s in enumerate(slots[:100])],
         "mixed regions and lengths": [  # distinct slots on both sides: the order of the copies does not matter
             BlockOp(int(r), int(s) * L, i % 2, (i // 2) * L, int(n))
-            for i, (r, s, n) in enumerate(zip(rng.choice([0, 2], 120), slots[:120], rng.integers(1, L + 1, 120),
+            for i, (r, s, n) in enumerate(zip(rng.choice([0, FAR], 120), slots[:120], rng.integers(1, L + 1, 120),
                                               strict=True))
         ],
         "adjacent runs": [BlockOp(0, (base + k) * L // 2, 0, (6 * j + k) * L // 2, L // 2)
