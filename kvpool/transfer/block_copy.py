@@ -10,7 +10,7 @@ How the bytes move, cheapest first:
   L in one region (a shard's slots): one ``numpy.take`` (gather into the run) or one indexed assignment (scatter
   from it) per chunk of ops — the per-block loop runs in C, at the speed of one large copy.
 - otherwise, one ``memmove`` per op, with the addresses computed for the whole batch at once and the ops that
-  continue the previous one on both sides merged into it (the slots of one prefix, the pieces of one block).
+  continue the previous one on both sides merged into it (consecutive slots into consecutive blocks).
 - batches of ``OpTable.SMALL`` ops or fewer: one ``memmove`` per op straight from the rows (numpy's per-call cost
   would outweigh what it saves).
 
