@@ -18,9 +18,9 @@ Pool block contents (the pool stores opaque, checksummed slots; this module defi
   align mode keeps the state after tokens ``[0, (i+1)·B)`` in block index ``i`` of each state group).
 - A payload shorter than the shard's slot is zero-padded; the checksum covers the whole slot.
 
-The registered tensors must have the block dimension outermost with a contiguous per-block slice (vLLM's CPU
-layout ``[num_blocks, heads, block_size, 2·head_dim]`` and its raw state pages). Anything else is refused with a
-message naming the layer, shape and strides.
+The registered tensors must be in host memory, with the block dimension outermost and a contiguous per-block
+slice (vLLM's CPU layout ``[num_blocks, heads, block_size, 2·head_dim]`` and its raw state pages). Anything else
+is refused with a message naming the layer and its device, or its shape and strides.
 """
 
 from __future__ import annotations
@@ -196,13 +196,15 @@ class TensorInfo(msgspec.Struct, frozen=True):
     data_ptr: int
     storage_ptr: int
     storage_nbytes: int
+    device: str = "cpu"  # torch's device string: "cpu", "cuda:0", ...
 
 
 def tensor_info(t: Any) -> TensorInfo:
     """``TensorInfo`` of a torch tensor."""
     storage = t.untyped_storage()
     return TensorInfo(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()), str(t.dtype),
-                      int(t.element_size()), int(t.data_ptr()), int(storage.data_ptr()), int(storage.nbytes()))
+                      int(t.element_size()), int(t.data_ptr()), int(storage.data_ptr()), int(storage.nbytes()),
+                      str(t.device))
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -238,8 +240,16 @@ def derive_layout(
 ) -> tuple[KvLayout, PoolGeometry, list[tuple[int, int]]]:
     """The engine's ``KvLayout``, the ``PoolGeometry`` and the storages to register as ``(ptr, nbytes)``.
 
-    Raises ``UnknownLayoutKindError`` (unknown kind), ``LayoutError`` (a layout we cannot describe exactly).
+    Raises ``UnknownLayoutKindError`` (unknown kind), ``LayoutError`` (a layout we cannot describe exactly, or KV
+    memory the connector cannot reach: it copies blocks through host memory, so a KV cache on a GPU is refused).
     """
+    for name, info in tensors.items():
+        if info.device != "cpu":
+            raise LayoutError(
+                f"layer {name!r}: the KV cache is on {info.device}; the kvpool connector copies blocks between the "
+                "pool and a KV cache in host memory (vLLM's CPU build) only. Run this engine with "
+                "app.pool.enabled: false"
+            )
     kinds = group_kinds(kv_cache_config)
     num_blocks = int(kv_cache_config.num_blocks)
     storages: list[tuple[int, int]] = []

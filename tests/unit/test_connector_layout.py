@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,6 +18,7 @@ from kvpool.connector.layout import (  # noqa: E402
     pool_plan,
     spec_kind,
     state_key,
+    tensor_info,
 )
 from kvpool.keys import BlockKey  # noqa: E402
 from kvpool.layout import LayoutError, UnknownLayoutKindError  # noqa: E402
@@ -100,6 +102,22 @@ def test_block_dimension_must_be_outermost() -> None:
                                   BASE, BASE, 2 * 8 * PAGE)}
     with pytest.raises(LayoutError, match="outermost"):
         derive_layout("m", "d", kv_config([(full_spec(), names)], 8), infos)
+
+
+def test_a_kv_cache_outside_host_memory_is_refused_with_its_device() -> None:
+    names, infos = dense()
+    cfg = kv_config([(full_spec(), names)], 64)
+    on_gpu = {n: msgspec.structs.replace(i, device="cuda:0") if n == names[2] else i for n, i in infos.items()}
+    with pytest.raises(LayoutError, match=r"layers\.2\..*cuda:0.*host memory.*app\.pool\.enabled: false"):
+        derive_layout("m", "d1", cfg, on_gpu)
+    derive_layout("m", "d1", cfg, infos)  # the same tensors in host memory: accepted
+
+
+def test_tensor_info_reads_the_device() -> None:
+    t = torch.zeros((4, 2, 8, 16), dtype=torch.bfloat16)
+    info = tensor_info(t)
+    assert info.device == "cpu" and info.shape == (4, 2, 8, 16) and info.element_size == 2
+    assert info.storage_nbytes == 4 * 2 * 8 * 16 * 2
 
 
 def test_hybrid_state_pages_share_storage_with_attention() -> None:
