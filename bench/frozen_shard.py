@@ -6,23 +6,25 @@ What one run does (defaults: the dense ``tiny`` model, phases of 12 requests, on
    saving to shard ``n0`` and looking up both.
 2. ``freeze_experiment``: a stream of requests whose prompts share system prefixes (``in_flight`` at a time, the
    engine stepped here, every ``engine.step()`` that ran the model timed; a step that ran nothing sleeps 1 ms, as
-   vLLM's engine-core loop does, and is counted in ``idle_steps``). Phase ``healthy``: the prefixes are computed and saved to
-   ``n0``, then fetched back; phase ``healthy_miss``: as many requests with prefixes of their own (pool misses: the
-   same work as the frozen phase's, the step-time reference). Phase ``frozen``: ``n0`` — the shard that holds every saved
-   block and receives every save — is SIGSTOPped; the same prefixes come again: lookups and leases on it time out,
-   its breaker opens, saves to it fail; the engine must keep stepping at its healthy pace and every request must
-   complete. Phase ``thawed``: SIGCONT, then one request at a time until the pool supplies a prefix again
-   (``recovery_s``: from SIGCONT to that request's end; bounded by the breaker's backoff).
+   vLLM's engine-core loop does, and is counted in ``idle_steps``). Phase ``healthy``: the prefixes are computed
+   and saved to ``n0`` (the saves settled first: ``warm_saves_settled``; the saver runs at a low priority and,
+   beside an engine that keeps the cores busy, can lag by seconds), then fetched back; phase ``healthy_miss``: as
+   many requests with prefixes of their own (pool misses: the same work as the frozen phase's, the step-time
+   reference). Phase ``frozen``: ``n0`` — the shard that holds every saved block and receives every save — is
+   SIGSTOPped; the same prefixes come again: lookups and leases on it time out, its breaker opens, saves to it
+   fail; the engine must keep stepping at its healthy pace and every request must complete. Phase ``thawed``:
+   SIGCONT, then one request at a time until the pool supplies a prefix again (``recovery_s``: from SIGCONT to
+   that request's end; bounded by the breaker's backoff).
 3. Plain vLLM (no connector) answers every prompt for the same compute split (``wrong_outputs``: the engine under
    test runs with vLLM's prefix caching off, so the pool is its only reuse); each request's greedy tokens must
    equal it.
 
 Output (``--json``): per phase ``step_s`` (p50 / p99 / max / count), ``request_s`` (p50 / max), ``requests``,
-``pool_hit_requests``; ``step_p50_ratio`` / ``step_p99_ratio`` (frozen over healthy_miss: goal ≤ 1.2), ``wrong_outputs``
-(must be 0; null with ``--in-flight`` > 1), ``recovery_s``, the connector's counters over the frozen phase (lookup failures, breaker trips, loads
-skipped, save failures). The fault suite (``tests/faults/test_frozen_shard.py``) runs ``freeze_experiment`` on its
-own cluster. Run under the heavy lock: ``flock /tmp/kvstack-heavy.lock timeout 900 kvstack bench frozen-shard
---json`` (~3 min on a 2-core box).
+``pool_hit_requests``; ``step_p50_ratio`` / ``step_p99_ratio`` (frozen over healthy_miss: goal ≤ 1.2),
+``wrong_outputs`` (must be 0; null with ``--in-flight`` > 1), ``recovery_s``, ``warm_saves_settled``, the
+connector's counters over the frozen phase (lookup failures, breaker trips, loads skipped, save failures). The fault
+suite (``tests/faults/test_frozen_shard.py``) runs ``freeze_experiment`` on its own cluster. Run under the heavy
+lock: ``flock /tmp/kvstack-heavy.lock timeout 900 kvstack bench frozen-shard --json`` (~3 min on a 2-core box).
 """
 
 from __future__ import annotations
@@ -179,7 +181,10 @@ def freeze_experiment(llm: Any, shard_pid: int, *, requests: int, in_flight: int
 
     # healthy: compute and save the prefixes, fetch them back from the pool; then as many requests with prefixes
     # of their own (misses: the same work as the frozen phase's recomputes, the step-time reference)
+    from bench.inproc import settle_saves
+
     warm = run_phase("warm", prefixes)
+    warm_saved = settle_saves(llm)  # the prefixes in the pool before they are asked for again
     phases["healthy"] = run_phase("healthy", requests)
     phases["healthy_miss"] = run_phase("healthy_miss", requests, fresh=True)
     before = _counters(llm)
@@ -217,6 +222,7 @@ def freeze_experiment(llm: Any, shard_pid: int, *, requests: int, in_flight: int
         "step_p50_ratio": statistics.median(frozen) / max(1e-9, statistics.median(healthy)),
         "step_p99_ratio": _quantiles(frozen)["p99"] / max(1e-9, _quantiles(healthy)["p99"]),
         "recovery_s": recovery_s,
+        "warm_saves_settled": warm_saved,
         "frozen_counters": {k: after[k] - before.get(k, 0) for k in after},
         "outputs": outputs,
     }

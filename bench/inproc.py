@@ -165,6 +165,20 @@ def settle(llm: Any, deadline_s: float = 30.0) -> None:
         llm.collective_rpc(settle_worker, args=(deadline_s,))
 
 
+def settle_saves(llm: Any, deadline_s: float = 60.0) -> bool:
+    """Wait (bounded) until the in-process connector's saves staged so far are written and committed (or failed):
+    the saver runs in the background at a low priority and, beside an engine that keeps both cores busy, can lag
+    its requests by seconds. False at the deadline; True without the kvpool connector."""
+    worker, sched = worker_connector(llm), scheduler_connector(llm)
+    if worker is not None:
+        return worker.wait_saves(deadline_s)
+    if sched is not None and sched.tp_world > 1:  # the workers run in their own processes
+        from kvpool.connector.kv_connector import worker_counters
+
+        llm.collective_rpc(worker_counters, args=(deadline_s,))
+    return True
+
+
 def timed_request(llm: Any, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
     """(TTFT, tokens, cached prompt tokens) of one greedy request, stepping the engine here: TTFT = add_request →
     first output token; cached = what the engine reused (its own prefix cache plus what its connector loaded)."""

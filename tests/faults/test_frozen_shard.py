@@ -39,6 +39,7 @@ def test_frozen_shard_never_stalls_the_engine_nor_changes_a_token(pool: Any, eng
                                prefix_blocks=3, seed=3)
     phases, counters = result["phases"], result["frozen_counters"]
     print({k: v for k, v in result.items() if k != "outputs"})
+    assert result["warm_saves_settled"]  # the prefixes were in the pool before the healthy phase asked for them
     assert phases["healthy"]["pool_hit_requests"] > 0  # the pool did serve before the freeze
     assert phases["frozen"]["requests"] == 8
     assert phases["frozen"]["step_s"]["max"] < DEADLINE_S / 2  # no step waited out a pool deadline
