@@ -160,6 +160,10 @@ class PoolSettings(Strict):
         default=19, ge=0, le=19, description="nice value of each replica's background saver thread (Linux): 19 = "
                                              "saves run when the engine's threads leave a core idle, never ahead of "
                                              "the forward pass and the first token; 0 = the engine's priority")
+    saver_max_lag_s: float = Field(
+        default=1.0, ge=0, description="with saver_nice > 0, a save that waited this long for the saver thread is "
+                                       "taken by a second one at the engine's priority (busy cores starve a nice-19 "
+                                       "thread); 0: none")
     inline_load_max_bytes: int = Field(
         default=16 << 20, ge=0, description="a pool hit on the replica's own node, leased by its lookup, of at most "
                                             "this many bytes is loaded inside the engine step that allocates it (one "

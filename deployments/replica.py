@@ -340,6 +340,7 @@ class VLLMReplica:
             ray_namespace=SHARD_NAMESPACE, ray_address=ray.get_runtime_context().gcs_address,
             backend=self.pool.transfer_backend, shared_memory=self.pool.shared_memory,
             lease_on_lookup=self.pool.lease_on_lookup, saver_nice=self.pool.saver_nice,
+            saver_max_lag_s=self.pool.saver_max_lag_s,
             inline_load_max_bytes=self.pool.inline_load_max_bytes,
         )
         return kv_transfer_config(cfg)

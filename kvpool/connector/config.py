@@ -54,6 +54,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       are asynchronous by design. So with 19 (the default) the saver runs when the engine's threads leave a core
       idle, and a save waits instead of the request that computed the blocks. 0 gives it the engine's priority.
       Negative values would need privileges and are refused.
+    - ``saver_max_lag_s``: with ``saver_nice`` > 0, a save that has waited this long in the saver's queue is taken
+      by a second saver thread that keeps the engine's priority (beside threads that keep every core busy, a
+      nice-19 thread gets ~1.5% of a core and saves fell behind without end; ``kvpool.connector.saver``). 0: no
+      second thread.
     - ``inline_load_max_bytes``: a pool hit on the own node's shard, already leased by its lookup
       (``lease_on_lookup``), of at most this many bytes per worker, is loaded inside the step that allocates it (vLLM's
       synchronous load: one shared-memory copy and its checksums on the model runner's thread before the forward),
@@ -81,6 +85,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_memory: bool = True
     lease_on_lookup: bool = True
     saver_nice: int = 19
+    saver_max_lag_s: float = 1.0
     inline_load_max_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
@@ -92,6 +97,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"kvpool connector: inline_load_max_bytes must be >= 0, got {self.inline_load_max_bytes}")
         if not 0 <= self.saver_nice <= 19:
             raise ValueError(f"kvpool connector: saver_nice must be in [0, 19], got {self.saver_nice}")
+        if self.saver_max_lag_s < 0:
+            raise ValueError(f"kvpool connector: saver_max_lag_s must be >= 0, got {self.saver_max_lag_s}")
         ids = [s.shard_id for s in self.shards]
         if len(set(ids)) != len(ids):
             raise ValueError(f"kvpool connector: duplicate shard ids {ids}")

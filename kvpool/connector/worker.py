@@ -212,10 +212,14 @@ class WorkerSide:
             self.saver_shards = saver_shards = PoolShards(self.cfg)
             name = f"{self.agent_name}-saver"
             peers = self._peers_of(name)
+            # a lowered saver gets a catch-up lane (its own endpoints) for the saves it leaves waiting too long
+            lagged = self.cfg.saver_nice > 0 and self.cfg.saver_max_lag_s > 0
             self.saver = BlockSaver(peers, saver_shards.client, saver_shards.forget,
                                     slot_bytes=geometry.slot_bytes_needed, staging_bytes=self.cfg.save_staging_bytes,
                                     deadline_s=self.cfg.save_deadline_s, model=self.model_id,
-                                    nice=self.cfg.saver_nice)
+                                    nice=self.cfg.saver_nice,
+                                    catch_up_peers=self._peers_of(f"{name}-catch-up") if lagged else None,
+                                    max_lag_s=self.cfg.saver_max_lag_s)
 
     def _peers_of(self, agent_name: str) -> KnownPeers:
         """Endpoints for ``agent_name``: a transfer endpoint (remade by a fence) and the shared-memory one."""

@@ -106,6 +106,9 @@ def test_pool_ssd_needs_a_directory_and_a_valid_backend() -> None:
     with pytest.raises(ValidationError, match="saver_nice"):
         AppConfig.model_validate(_args(pool={"dram_bytes": 1, "saver_nice": -5}))
     assert AppConfig.model_validate(_args(pool={"dram_bytes": 1})).pool.saver_nice == 19
+    assert AppConfig.model_validate(_args(pool={"dram_bytes": 1})).pool.saver_max_lag_s == 1.0
+    with pytest.raises(ValidationError, match="saver_max_lag_s"):
+        AppConfig.model_validate(_args(pool={"dram_bytes": 1, "saver_max_lag_s": -1}))
 
 
 def test_router_settings_are_checked() -> None:

@@ -162,3 +162,7 @@ def test_connector_config_parsing() -> None:
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="saver_nice"):
             ConnectorConfig(saver_nice=bad)
+    assert ConnectorConfig().saver_max_lag_s == 1.0  # a save waits at most this long for the lowered saver
+    assert ConnectorConfig.from_extra(ConnectorConfig(saver_max_lag_s=0.0).to_extra()).saver_max_lag_s == 0.0
+    with pytest.raises(ValueError, match="saver_max_lag_s"):
+        ConnectorConfig(saver_max_lag_s=-0.5)
