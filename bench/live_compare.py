@@ -396,6 +396,7 @@ def policy_row(entry: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens_per_ok_request": (sum(ok_prompts) / len(ok_prompts)) if ok_prompts else None,
         "decision_audit": entry.get("decisions"),
         "router_metrics_available": bool(router.get("available")),
+        "saver": router.get("saver") or {},  # the engines' save counters over the run (bench.prom)
         "errors": r.get("errors"),
         "load_avg_before": entry.get("load_avg_before"),
         "load_avg_after": entry.get("load_avg_after"),
@@ -539,6 +540,14 @@ def render_report(payload: dict[str, Any], plots: list[str]) -> str:
             _f(row["prompt_tokens_per_ok_request"], ".0f"), f"{_f(la[0], '.1f')}→{_f(lb[0], '.1f')}",
         ]) + " |")
     lines += table + [""]
+    saves = [(row["policy"], row.get("saver") or {}) for row in agg["rows"] if row.get("saver")]
+    if saves:
+        lines += ["The engines' save path over each run (`vllm:kvpool_saver_*`, summed over the replicas): blocks "
+                  "committed / dropped (no staging slot) / failed saves, and the saves the catch-up lane ran (they "
+                  "had waited `app.pool.saver_max_lag_s` for the nice-19 saver thread): "
+                  + "; ".join(f"{name}: {_f(c.get('blocks_committed'), '.0f')} / {_f(c.get('blocks_dropped'), '.0f')}"
+                              f" / {_f(c.get('save_failures'), '.0f')}, catch-up {_f(c.get('catch_up_saves'), '.0f')}"
+                              f" of {_f(c.get('saves'), '.0f')} saves" for name, c in saves) + ".", ""]
     audits = [(row["policy"], row["decision_audit"]) for row in agg["rows"] if row.get("decision_audit")]
     if audits:
         lines += ["Decision audit (`/kvstack/decisions`, the run's records; `bench.decision_audit`): requests per "

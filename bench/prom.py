@@ -6,7 +6,9 @@ difference of the counters is what the run caused. Any OpenAI-compatible endpoin
 
 Recognised series (``router.metrics`` names them; matched by shape so a renamed suffix still parses):
 - hit tokens by tier: a ``kvstack_router_*`` counter whose name contains ``hit`` and ``token`` with a ``tier`` label;
-- decisions by action: a ``kvstack_router_*`` counter whose name contains ``decision`` with an ``action`` label.
+- decisions by action: a ``kvstack_router_*`` counter whose name contains ``decision`` with an ``action`` label;
+- the replicas' save path: every ``vllm:kvpool_saver_*`` counter (the connector's ``SaveStats``, one series per
+  engine, summed by name: blocks committed and dropped, saves the catch-up lane ran, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 ROUTER_PREFIX = "kvstack_router_"
+SAVER_PREFIX = "vllm:kvpool_saver_"  # kvpool.connector.stats: the engines' save counters, on the endpoint's /metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +32,14 @@ class RouterCounters:
 
 
 def parse_router_metrics(text: str) -> RouterCounters:
-    """All ``kvstack_router_*`` counter and gauge samples of a Prometheus text exposition."""
+    """All ``kvstack_router_*`` counter and gauge samples of a Prometheus text exposition, and the
+    ``vllm:kvpool_saver_*`` counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith(ROUTER_PREFIX) or family.type not in ("counter", "gauge", "untyped"):
+        if not family.name.startswith((ROUTER_PREFIX, SAVER_PREFIX)) or family.type not in ("counter", "gauge",
+                                                                                           "untyped"):
             continue
         for s in family.samples:
             if s.name.endswith("_created"):
@@ -56,16 +61,27 @@ def _by_label(counters: RouterCounters, label: str, *needles: str) -> dict[str, 
     return dict(out)
 
 
+def _saver(counters: RouterCounters) -> dict[str, float]:
+    """The ``vllm:kvpool_saver_*`` counters summed over the engines, by name (prefix and ``_total`` cut)."""
+    out: dict[str, float] = defaultdict(float)
+    for (name, _), value in counters.samples.items():
+        if name.startswith(SAVER_PREFIX):
+            out[name[len(SAVER_PREFIX):].removesuffix("_total")] += value
+    return dict(out)
+
+
 def router_delta(before: RouterCounters | None, after: RouterCounters | None) -> dict[str, object]:
-    """What happened between two scrapes: hit tokens by tier and decisions by action (counter differences)."""
+    """What happened between two scrapes: hit tokens by tier, decisions by action and the engines' save counters
+    (counter differences)."""
     if after is None or not after.available:
-        return {"available": False, "hit_tokens_by_tier": {}, "decisions_by_action": {}}
+        return {"available": False, "hit_tokens_by_tier": {}, "decisions_by_action": {}, "saver": {}}
     base = before.samples if before is not None else {}
     delta = RouterCounters({k: v - base.get(k, 0.0) for k, v in after.samples.items()})
     return {
         "available": True,
         "hit_tokens_by_tier": _by_label(delta, "tier", "hit", "token"),
         "decisions_by_action": _by_label(delta, "action", "decision"),
+        "saver": _saver(delta),
     }
 
 
