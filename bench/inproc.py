@@ -168,7 +168,8 @@ def settle(llm: Any, deadline_s: float = 30.0) -> None:
 def settle_saves(llm: Any, deadline_s: float = 60.0) -> bool:
     """Wait (bounded) until the in-process connector's saves staged so far are written and committed (or failed):
     the saver runs in the background at a low priority and, beside an engine that keeps both cores busy, can lag
-    its requests by seconds. False at the deadline; True without the kvpool connector."""
+    its requests by seconds. False when the in-process saver is still busy at the deadline (workers in their own
+    processes are waited for the same way, without an answer); True without the kvpool connector."""
     worker, sched = worker_connector(llm), scheduler_connector(llm)
     if worker is not None:
         return worker.wait_saves(deadline_s)

@@ -8,7 +8,8 @@ Recognised series (``router.metrics`` names them; matched by shape so a renamed 
 - hit tokens by tier: a ``kvstack_router_*`` counter whose name contains ``hit`` and ``token`` with a ``tier`` label;
 - decisions by action: a ``kvstack_router_*`` counter whose name contains ``decision`` with an ``action`` label;
 - the replicas' save path: every ``vllm:kvpool_saver_*`` counter (the connector's ``SaveStats``, one series per
-  engine, summed by name: blocks committed and dropped, saves the catch-up lane ran, ...).
+  engine, summed by name: blocks committed and dropped, saves the catch-up lane ran, ...; its breaker's as
+  ``breaker_*``).
 """
 
 from __future__ import annotations
