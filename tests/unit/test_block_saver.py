@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -256,21 +257,29 @@ class FirstReserveStuck:
         return getattr(self.shard, name)
 
 
-def lagged_saver(fabric: LoopbackFabric, shard: object, *, max_lag_s: float, catch_up: bool = True,
-                 nice: int = 0) -> BlockSaver:
-    return BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: shard, lambda sid: None,
-                      slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0, nice=nice, max_lag_s=max_lag_s,
-                      catch_up_peers=LoopbackEndpoint(fabric, "engine-saver-catch-up") if catch_up else None)
+@contextmanager
+def lagged_saver(*, max_lag_s: float, catch_up: bool = True, nice: int = 0, stuck: bool = False):
+    """A saver with (or without) its catch-up lane over a real store: yields (saver, store, shard); ``stuck``: the
+    shard's first ``reserve`` waits for ``shard.go``."""
+    fabric = LoopbackFabric()
+    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
+    shard = StoreShardClient(store, fabric)
+    client = FirstReserveStuck(shard) if stuck else shard
+    saver = BlockSaver(LoopbackEndpoint(fabric, "engine-saver"), lambda sid: client, lambda sid: None,
+                       slot_bytes=BLOCK, staging_bytes=4 * BLOCK, deadline_s=5.0, nice=nice, max_lag_s=max_lag_s,
+                       catch_up_peers=LoopbackEndpoint(fabric, "engine-saver-catch-up") if catch_up else None)
+    try:
+        yield saver, store, client
+    finally:
+        if stuck:
+            client.go.set()
+        saver.close()
 
 
 def test_a_save_left_waiting_max_lag_goes_by_the_catch_up_lane() -> None:
     """The lowered lane is stuck in a job; the next job, once it has waited ``max_lag_s``, is written and committed
     by the catch-up lane (its own endpoint) while the first is still stuck; then the first completes too."""
-    fabric = LoopbackFabric()
-    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
-    stuck = FirstReserveStuck(StoreShardClient(store, fabric))
-    saver = lagged_saver(fabric, stuck, max_lag_s=0.2)
-    try:
+    with lagged_saver(max_lag_s=0.2, stuck=True) as (saver, store, stuck):
         assert saver.stage("local", FP, [(key(0), block(0))]) == 1
         deadline = time.monotonic() + 10
         while stuck.reserves < 1 and time.monotonic() < deadline:  # the lowered lane took the first job
@@ -288,55 +297,36 @@ def test_a_save_left_waiting_max_lag_goes_by_the_catch_up_lane() -> None:
         stats = saver.stats
         assert (stats.catch_up_saves, stats.saves, stats.blocks_committed, stats.blocks_staged) == (1, 2, 2, 2)
         assert saver.take_outcomes() == ([key(0)], [])
-    finally:
-        stuck.go.set()
-        saver.close()
 
 
 def test_without_a_catch_up_lane_a_stuck_save_holds_the_queue() -> None:
-    fabric = LoopbackFabric()
-    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
-    stuck = FirstReserveStuck(StoreShardClient(store, fabric))
-    saver = lagged_saver(fabric, stuck, max_lag_s=0.1, catch_up=False)
-    try:
+    with lagged_saver(max_lag_s=0.1, catch_up=False, stuck=True) as (saver, store, stuck):
         assert saver.stage("local", FP, [(key(0), block(0))]) == 1
         assert saver.stage("local", FP, [(key(1), block(1))]) == 1
         assert not saver.wait_idle(0.5) and saved_bytes(store, 1) is None
         stuck.go.set()
         assert saver.wait_idle(10) and saved_bytes(store, 1) is not None and saver.stats.catch_up_saves == 0
-    finally:
-        stuck.go.set()
-        saver.close()
 
 
 def test_saves_the_lowered_lane_keeps_up_with_are_its_own() -> None:
-    fabric = LoopbackFabric()
-    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
-    saver = lagged_saver(fabric, StoreShardClient(store, fabric), max_lag_s=5.0)
-    try:
+    with lagged_saver(max_lag_s=5.0) as (saver, _, _):
         for i in range(6):
             assert saver.stage("local", FP, [(key(i), block(i))]) == 1
             assert saver.wait_idle(10)
         stats = saver.stats
         assert (stats.saves, stats.blocks_committed, stats.catch_up_saves) == (6, 6, 0)
-    finally:
-        saver.close()
 
 
 def test_a_negative_max_lag_is_refused() -> None:
     with pytest.raises(ValueError, match="max_lag_s"):
-        lagged_saver(LoopbackFabric(), None, max_lag_s=-1.0)
+        BlockSaver(LoopbackEndpoint(LoopbackFabric(), "x"), lambda sid: None, lambda sid: None, slot_bytes=BLOCK,
+                   staging_bytes=4 * BLOCK, deadline_s=5.0, max_lag_s=-1.0)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_the_catch_up_lane_keeps_the_callers_priority() -> None:
-    fabric = LoopbackFabric()
-    store = BlockStore(StoreConfig(slot_bytes=SLOT, dram_slots=64), shard_id="local")
     caller = thread_nice(threading.current_thread())
-    saver = lagged_saver(fabric, StoreShardClient(store, fabric), max_lag_s=1.0, nice=19)
-    try:
+    with lagged_saver(max_lag_s=1.0, nice=19) as (saver, _, _):
         assert saver.stage("local", FP, [(key(1), block(1))]) == 1 and saver.wait_idle(10)
         assert saver._catch_up is not None and saver._catch_up.thread is not None
         assert thread_nice(saver._thread) == 19 and thread_nice(saver._catch_up.thread) == caller
-    finally:
-        saver.close()
