@@ -118,7 +118,8 @@ def test_agent_bench_counts_errors_and_survives_a_server_without_metrics(tmp_pat
     assert result["requests"]["errors"] >= 1
     assert result["requests"]["errors"] + result["requests"]["ok"] == result["requests"]["sent"]
     assert any("InternalServerError" in k or "APIError" in k for k in result["errors"]["by_type"])
-    assert result["router"] == {"available": False, "hit_tokens_by_tier": {}, "decisions_by_action": {}}
+    assert result["router"] == {"available": False, "hit_tokens_by_tier": {}, "decisions_by_action": {},
+                                "saver": {}}
     assert "tools" not in received[0] and "Tools:" in received[0]["messages"][0]["content"]
     assert set(result["plots"]) == {"ttft_cdf.png", "ttft_by_turn.png"}
 
