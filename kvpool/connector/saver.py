@@ -158,9 +158,11 @@ class BlockSaver:
         self._failed: list[bytes] = []
         self._skipped: list[bytes] = []  # never attempted: the shard was unreachable (_Unreachable)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)  # a job finished (wait_idle)
+        self._queued = threading.Condition(self._lock)  # a job was queued (the saver's lane)
+        self._started = threading.Condition(self._lock)  # a job was queued into an empty queue (the catch-up lane)
         self._pending = 0  # jobs queued or running
-        self._jobs: deque[_Job] = deque()  # queued, oldest first (under _lock; _idle is notified on a change)
+        self._jobs: deque[_Job] = deque()  # queued, oldest first (under _lock)
         self._stopping = False
         self._lane.thread = threading.Thread(target=self._run, args=(self._lane,), name=name, daemon=True)
         self._lane.thread.start()
@@ -174,12 +176,6 @@ class BlockSaver:
         """The counters of ``stage`` and of both lanes, as one (a copy)."""
         out = _merged(self._stage_stats, self._lane.stats)
         return out if self._catch_up is None else _merged(out, self._catch_up.stats)
-
-    @property
-    def _thread(self) -> threading.Thread:
-        """The saver's (first lane's) thread."""
-        assert self._lane.thread is not None
-        return self._lane.thread
 
     # ------------------------------------------------------------------ model runner's thread
     def stage(self, shard_id: str, fingerprint: str, blocks: list[tuple[bytes, list[np.ndarray]]]) -> int:
@@ -205,11 +201,13 @@ class BlockSaver:
                 off += piece.nbytes
             keys.append(key)
         payloads = payloads[:take]
-        with self._idle:
+        with self._lock:
             self._pending += 1
             self._jobs.append(_Job(shard_id, fingerprint, keys, slots, payloads, time.monotonic()))
             queued = len(self._jobs)
-            self._idle.notify_all()
+            self._queued.notify()
+            if queued == 1:  # the catch-up lane times the queue's oldest job: only a new oldest one wakes it
+                self._started.notify()
         stats.blocks_staged += take
         stats.stage_seconds += time.perf_counter() - t0
         stats.queue_max = max(stats.queue_max, queued)
@@ -249,9 +247,10 @@ class BlockSaver:
     def close(self, deadline_s: float = 5.0) -> None:
         """Finish the queued jobs (within ``deadline_s``), stop the threads, close the endpoints."""
         self.wait_idle(deadline_s)
-        with self._idle:
+        with self._lock:
             self._stopping = True
-            self._idle.notify_all()
+            self._queued.notify_all()
+            self._started.notify_all()
         for lane in (self._lane, self._catch_up):
             if lane is not None and lane.thread is not None:
                 lane.thread.join(timeout=deadline_s)
@@ -273,9 +272,9 @@ class BlockSaver:
         """The saver's thread: every job, oldest first, at ``nice``."""
         self._lower_priority()
         while True:
-            with self._idle:
+            with self._lock:
                 while not self._jobs and not self._stopping:
-                    self._idle.wait()
+                    self._queued.wait()
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
@@ -284,18 +283,18 @@ class BlockSaver:
     def _run_catch_up(self, lane: _Lane) -> None:
         """The catch-up lane's thread (the caller's priority): the jobs that waited ``max_lag_s`` in the queue."""
         while True:
-            with self._idle:
+            with self._lock:
                 while True:
                     if self._stopping:
                         return
                     if not self._jobs:
-                        self._idle.wait()
+                        self._started.wait()
                         continue
                     waited = time.monotonic() - self._jobs[0].staged_at
                     if waited >= self.max_lag_s:
                         job = self._jobs.popleft()
                         break
-                    self._idle.wait(self.max_lag_s - waited)
+                    self._started.wait(self.max_lag_s - waited)  # the oldest job's age, read again after
             lane.stats.catch_up_saves += 1
             self._run_job(lane, job)
 

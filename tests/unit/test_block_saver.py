@@ -215,7 +215,7 @@ def test_the_saver_thread_runs_at_its_own_nice_value_and_the_caller_keeps_its_ow
         assert saver.stage("local", FP, [(key(1), block(1))]) == 1
         assert saver.wait_idle(10)  # the job ran on the saver's thread, after it took its nice value
         assert saver.stats.blocks_committed == 1
-        assert thread_nice(saver._thread) == 19
+        assert thread_nice(saver._lane.thread) == 19
         assert thread_nice(threading.current_thread()) == caller_before
     finally:
         shard.release()
@@ -226,7 +226,7 @@ def test_the_saver_thread_runs_at_its_own_nice_value_and_the_caller_keeps_its_ow
 def test_the_default_saver_keeps_the_priority_it_was_started_with(rig) -> None:
     saver, _, _, _ = rig
     assert saver.stage("local", FP, [(key(1), block(1))]) == 1 and saver.wait_idle(10)
-    assert saver.nice == 0 and thread_nice(saver._thread) == thread_nice(threading.current_thread())
+    assert saver.nice == 0 and thread_nice(saver._lane.thread) == thread_nice(threading.current_thread())
 
 
 @pytest.mark.parametrize("nice", [-1, 20])
@@ -329,4 +329,4 @@ def test_the_catch_up_lane_keeps_the_callers_priority() -> None:
     with lagged_saver(max_lag_s=1.0, nice=19) as (saver, _, _):
         assert saver.stage("local", FP, [(key(1), block(1))]) == 1 and saver.wait_idle(10)
         assert saver._catch_up is not None and saver._catch_up.thread is not None
-        assert thread_nice(saver._thread) == 19 and thread_nice(saver._catch_up.thread) == caller
+        assert thread_nice(saver._lane.thread) == 19 and thread_nice(saver._catch_up.thread) == caller
