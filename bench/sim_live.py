@@ -34,7 +34,8 @@ log and decision records) and simulates every configuration on what that run saw
   configuration's prefills (the same engine arguments and placement everywhere). The anchor has no
   timeline: it is priced with the pool-less kvstack configuration's figures (same engine arguments).
 Then it compares the simulated TTFT p50 / mean of each configuration with the live run's (the goal: within 25%) and
-the order of the configurations by p50.
+the order of the configurations by p50 (all of it, and the pairs whose live p50s differ by more than
+``ORDER_BAND``).
 
 Output: a JSON document (``--json``: on stdout) and, with ``--out``, ``sim_live.json`` + ``sim_live.md``.
 Pure apart from reading the work dir; the simulator is ``bench.simulate``.
@@ -61,6 +62,12 @@ from cluster.cli_output import print_document
 
 #: What "within" means for the simulator against the live run (issue 13, item 6).
 TOLERANCE = 0.25
+#: Two configurations whose live p50s are within this fraction of each other are not ordered by the live run: its
+#: repeats differ by more (bootstrap intervals of ±10% on a p50 ratio, ``bench.live_compare``). ``same_order``
+#: compares the whole order; ``same_order_beyond_band`` only the pairs the live run separates by more than this.
+#: (The committed overloaded run: round_robin 3.279 s and cost_based 3.352 s live, 2% apart; simulated 2.931 s and
+#: 2.950 s with the runner's random tie-break, 2.931 s and 2.917 s with its least-recently-chosen one.)
+ORDER_BAND = 0.05
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -347,6 +354,7 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
                         "p50_within": p50_ratio is not None and abs(p50_ratio - 1.0) <= TOLERANCE})
     live_order = [c["configuration"] for c in sorted(configs, key=lambda c: c["live"]["p50"])]
     sim_order = [c["configuration"] for c in sorted(configs, key=lambda c: c["sim"]["p50"])]
+    separated = [(a, b) for a in configs for b in configs if a["live"]["p50"] * (1 + ORDER_BAND) < b["live"]["p50"]]
     return {"schema": "kvstack.sim_live/v1", "work_dir": str(work), "tolerance": TOLERANCE,
             "cluster": {"nodes": nodes, "replicas_per_node": replicas_per_node, "hbm_tokens": hbm_tokens,
                         "pool_dram_tokens": pool_dram, "block_size": settings["block_size"],
@@ -354,7 +362,9 @@ def simulate_run(work: Path, *, nodes: int = 2, replicas_per_node: int = 1,
                         "kv_admission": kv_admission,
                         "engine_cost": None if engine_cost is None else engine_cost.to_json()},
             "configurations": configs, "live_order_by_p50": live_order, "sim_order_by_p50": sim_order,
-            "same_order": live_order == sim_order, "all_p50_within": all(c["p50_within"] for c in configs),
+            "same_order": live_order == sim_order, "order_band": ORDER_BAND,
+            "same_order_beyond_band": all(a["sim"]["p50"] < b["sim"]["p50"] for a, b in separated),
+            "all_p50_within": all(c["p50_within"] for c in configs),
             "runs": runs}
 
 
@@ -386,7 +396,9 @@ def render(doc: Mapping[str, Any]) -> str:
                      f"{f(c['sim_over_live_p50'])} | {f(c['live']['mean'])} | {f(c['sim']['mean'])} | "
                      f"{f(c['sim_over_live_mean'])} | {'yes' if c['p50_within'] else 'no'} |")
     lines += ["", f"Order by p50, live: {', '.join(doc['live_order_by_p50'])}; simulated: "
-              f"{', '.join(doc['sim_order_by_p50'])} ({'same' if doc['same_order'] else 'different'}).", "",
+              f"{', '.join(doc['sim_order_by_p50'])} ({'same' if doc['same_order'] else 'different'}; on the pairs "
+              f"live separates by more than {doc['order_band']:.0%}: "
+              f"{'same' if doc['same_order_beyond_band'] else 'different'}).", "",
               "Per run (costs fitted from the configuration's first run's decision records):", ""]
     for r in doc["runs"]:
         c = r["costs"] or {}

@@ -366,13 +366,24 @@ def _speed(est: MfuEstimator) -> float:
     return hw.gpu.bf16_tflops * hw.mfu
 
 
-def _slower(est: MfuEstimator, other: MfuEstimator) -> bool:
-    """Whether ``est``'s fit predicts its own prefills (at their weighted mean FLOPs) slower than ``other``'s fit."""
+def _speed_ratio(est: MfuEstimator, other: MfuEstimator) -> float:
+    """``est``'s fit's seconds over ``other``'s for ``est``'s own prefills (at their weighted mean FLOPs): > 1 when
+    ``est`` is the slower; 1 when either cannot say."""
     if est.served_plane.n == 0:
-        return False
+        return 1.0
     point = est.served_plane.mean()
     mine, theirs = est.predict(*point), other.predict(*point)
-    return mine is not None and theirs is not None and mine > theirs
+    return mine / theirs if mine is not None and theirs is not None and theirs > 0 else 1.0
+
+
+def _slower(est: MfuEstimator, other: MfuEstimator) -> bool:
+    """Whether ``est``'s fit predicts its own prefills (at their weighted mean FLOPs) slower than ``other``'s fit."""
+    return _speed_ratio(est, other) > 1.0
+
+
+def _same_speed(est: MfuEstimator, other: MfuEstimator, band: float) -> bool:
+    """Whether the two fits differ by no more than ``band`` (a fraction) on ``est``'s own prefills."""
+    return abs(_speed_ratio(est, other) - 1.0) <= band
 
 
 def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
@@ -455,18 +466,30 @@ class TierEstimator:
 #: low side of the samples: with samples spread evenly around their median it settles below the median.
 PATH_EWMA = 0.2
 PATH_EWMA_DOWN = 0.5
-#: A replica's own path EWMA prices it only after this many samples; before, its fleet's does. A fresh engine's first
-#: requests (warm-up, cold caches) carry seconds of one-off cost: priced on those alone, a replica that served only
-#: them looked slow for good, was never chosen again and never re-measured (issue 13: 40 of 42 requests on one
-#: replica of two). The EWMA starts from the least of these first samples, not their median: when the first requests
-#: a replica serves are the warm-up and the first real ones on a cold ingress, all of them are cold, and their median
-#: priced it 0.19 s for its next decisions while its warm path took 0.03 s (issue 13: 35 of 42 requests on the other
-#: replica). A sample past ``PATH_OUTLIER_X`` times the estimate is clipped to it.
+#: The estimate starts from the least of the first ``PATH_MIN_OBS`` samples, not their median: an engine's first
+#: requests (warm-up, cold caches, a cold ingress) carry seconds of one-off cost (issue 13: a median of cold samples
+#: priced the path at 0.19 s while the warm path took 0.03 s). A sample past ``PATH_OUTLIER_X`` times the estimate is
+#: clipped to it.
+#:
+#: The path is the router's, one estimate for every replica: the ingress, the hops and the first chunk's way back
+#: cost the same whichever replica serves. Estimated per replica, it was noise that decided: only a chosen replica
+#: is measured, so a replica priced on a cold or stalled sample was not chosen again (issue 13: 40 of 42 requests on
+#: one replica of two), and between idle replicas a few ms of estimate noise (two replicas' estimates crossed from
+#: 0.026 / 0.033 s to 0.036 / 0.034 s within a minute) chose the same replica for every fresh prompt of a burst, from
+#: both routers (13 of 16 on one replica of two, the two-router e2e test in CI).
 PATH_MIN_OBS = 5
 PATH_OUTLIER_X = 4.0
 #: ``Calibrator.trust_obs`` defaults to this many times ``min_obs``: a replica's own MFU fit prices it on its own
 #: only after that many real prefills; before, not slower than its fleet's (``Calibrator._priced_by``).
 TRUST_OBS_X = 4
+#: Replicas of one hardware whose fits predict a replica's own prefills within this fraction of each other are priced
+#: alike, with their fleet's median fit (``Calibrator._priced_by``): the calibration's own error (issue 13's target:
+#: after warm-up the median |predicted - actual| / actual <= 25%, the ``uncertainty`` of ``cost_based``'s pick), so a
+#: difference the fits cannot tell from noise does not decide. Priced each by its own fit, two identical CPU replicas
+#: fitted 0.111 and 0.1005 MFU; every fresh prompt cost ~1 ms less on the first, so both routers sent it 14-15 of a
+#: burst of 16 (``tests/e2e/shared_serve``'s two-router test, probed over 12 bursts). A replica slower or faster than
+#: its fleet by more than this is priced by its own fit, once trusted (slower) or proven (faster).
+SAME_SPEED_BAND = 0.25
 
 
 class Calibrator:
@@ -480,8 +503,13 @@ class Calibrator:
     0.025 s, all predictions of a tiny model off by ~100%)."""
 
     def __init__(self, *, bw_util: float, halflife: float = 50.0, min_obs: int = 5, outlier_k: float = 4.0,
-                 trust_obs: int | None = None) -> None:
+                 trust_obs: int | None = None, same_speed_band: float = SAME_SPEED_BAND) -> None:
+        """``same_speed_band``: see ``SAME_SPEED_BAND`` (0: every replica trusted or proven faster is priced by its own
+        fit)."""
+        if same_speed_band < 0:
+            raise ValueError(f"same_speed_band must be >= 0, got {same_speed_band}")
         self.bw_util = bw_util
+        self.same_speed_band = same_speed_band
         #: real prefills after which a replica's own fit prices it even when its fleet's is faster (``_priced_by``)
         self.trust_obs = TRUST_OBS_X * min_obs if trust_obs is None else trust_obs
         if self.trust_obs < min_obs:
@@ -491,11 +519,10 @@ class Calibrator:
         self._tiers: dict[str, TierEstimator] = {}
         # (id(base), mfu, peak TFLOPS, attn_scale) -> (base, hardware): one object per grid point
         self._shared: dict[tuple[int, float, float, float], tuple[Hardware, Hardware]] = {}
-        self._path: dict[str, float] = {}  # replica id -> EWMA of the request path's fixed seconds
-        self._path_n: dict[str, int] = {}  # replica id -> samples in it
-        # kept until the next observation (``_fleet_medians``, ``_fleet_path``): id(base) -> (base, proven, ready)
+        self._path_s = 0.0  # EWMA of the request path's fixed seconds, every replica's (0 before any sample)
+        self._path_n = 0  # samples in it
+        # kept until the next observation (``_fleet_medians``): id(base) -> (base, proven, ready)
         self._fleets: dict[int, tuple[Hardware | None, MfuEstimator | None, MfuEstimator | None]] = {}
-        self._fleet_path_s: float | None = None
 
     def observe_prefill(self, replica_id: str, hw: Hardware, tokens: int, cached_tokens: int, seconds: float, *,
                         probe: bool = False) -> bool:
@@ -527,18 +554,27 @@ class Calibrator:
         return est is not None and est.proven
 
     def trusted(self, replica_id: str) -> bool:
-        """Whether the replica's own fit prices it whatever its fleet's do (``trust_obs`` real prefills; before, a
-        sibling's fit may price it, so it must be re-priced when those move)."""
+        """Whether the replica has ``trust_obs`` real prefills of its own: its own fit prices it, also when its fleet's
+        is faster, unless the fleet's median fits it within ``SAME_SPEED_BAND`` (``_priced_by``)."""
         return self._trusts(self._mfu.get(replica_id))
+
+    def priced_by_own_fit(self, replica_id: str) -> bool:
+        """Whether the replica is priced by its own fit (``_priced_by``): a sibling's prefill cannot move its price.
+        Otherwise (its fleet's median fits it within ``SAME_SPEED_BAND``, or it is not trusted yet) it must be
+        re-priced when its siblings' fits move."""
+        est = self._mfu.get(replica_id)
+        return est is not None and self._priced_by(replica_id, None) is est
 
     def _trusts(self, est: MfuEstimator | None) -> bool:
         return est is not None and est.served.n >= self.trust_obs
 
     def _priced_by(self, replica_id: str, base: Hardware | None) -> MfuEstimator | None:
         """The estimator whose fit prices the replica (None: the configured prior):
-        1. its own, once ``trust_obs`` real prefills are fitted;
-        2. once ``min_obs`` are (``MfuEstimator.proven``), the faster of its own and its fleet's median proven
-           replica (the fleet: the same base hardware; ``base`` None: the replica's own base, else every replica);
+        1. its own, once ``trust_obs`` real prefills are fitted, unless its fleet's median proven replica's fit is
+           within ``SAME_SPEED_BAND`` of it (then the median's: every such replica is priced alike);
+        2. once ``min_obs`` are (``MfuEstimator.proven``), its own when it is faster than its fleet's median proven
+           replica by more than ``SAME_SPEED_BAND``, else the median's (the fleet: the same base hardware; ``base``
+           None: the replica's own base, else every replica);
         3. before that, the fleet's median proven replica, when one is proven;
         4. else its own probe-seeded line, else the median of its fleet's.
         So a replica is not priced worse than its fleet on fewer than ``trust_obs`` requests of its own. Priced by the
@@ -549,13 +585,15 @@ class Calibrator:
         its sibling and got 4 of 30 (``bench/reports/live_agent_sequential``): only a replica that is chosen is
         measured, so until ``trust_obs`` samples it gets the benefit of the doubt, and the sibling's price."""
         est = self._mfu.get(replica_id)
-        if self._trusts(est):
-            return est
         if base is None and est is not None:
             base = est.base
         proven, ready = self._fleet_medians(base)
+        if self._trusts(est):
+            return proven if proven is not None and _same_speed(est, proven, self.same_speed_band) else est
         if proven is not None:
-            return est if est is not None and est.proven and not _slower(est, proven) else proven
+            faster = (est is not None and est.proven and not _slower(est, proven)
+                      and not _same_speed(est, proven, self.same_speed_band))
+            return est if faster else proven
         if est is not None and est.ready:
             return est
         return ready
@@ -590,39 +628,26 @@ class Calibrator:
             shared = self._shared[key] = (est.base, own)
         return shared[1]
 
-    def observe_path(self, replica_id: str, seconds: float) -> None:
+    def observe_path(self, seconds: float) -> None:
         """One request's fixed path seconds outside the engine's queue and prefill: the ingress, both hops, the
-        replica's preparation and the first chunk's way back (TTFT less the engine's queued → first token)."""
+        replica's preparation and the first chunk's way back (TTFT less the engine's queued → first token). One
+        estimate for every replica (see ``PATH_MIN_OBS``)."""
         if seconds < 0 or seconds != seconds:
             return
-        self._fleet_path_s = None
-        n = self._path_n.get(replica_id, 0)
-        self._path_n[replica_id] = n + 1
-        prev = self._path.get(replica_id)
-        if prev is None or n < PATH_MIN_OBS:  # the first samples: their least starts the EWMA
-            self._path[replica_id] = seconds if prev is None else min(prev, seconds)
+        n, prev = self._path_n, self._path_s
+        self._path_n = n + 1
+        if n < PATH_MIN_OBS:  # the first samples: their least starts the EWMA
+            self._path_s = seconds if n == 0 else min(prev, seconds)
             return
         seconds = min(seconds, PATH_OUTLIER_X * prev)
         weight = PATH_EWMA_DOWN if seconds < prev else PATH_EWMA
-        self._path[replica_id] = (1 - weight) * prev + weight * seconds
+        self._path_s = (1 - weight) * prev + weight * seconds
 
     def overhead_s(self, replica_id: str) -> float:
         """The replica's fixed per-request seconds: the intercept of the fit that prices it (``_priced_by``) plus the
-        request path's (``observe_path``; a replica with fewer than ``PATH_MIN_OBS`` path samples gets its fleet's)."""
+        request path's (``observe_path``, the same for every replica)."""
         est = self._priced_by(replica_id, None)  # the fit ``hardware`` prices it with
-        line = 0.0 if est is None else max(0.0, est.overhead_s)
-        if self._path_n.get(replica_id, 0) >= PATH_MIN_OBS:
-            return line + self._path[replica_id]
-        return line + self._fleet_path()
-
-    def _fleet_path(self) -> float:
-        """The fleet's path seconds, for a replica with too few samples of its own: the mean over the replicas with
-        enough, else over every one observed (0 if none); kept until the next path observation."""
-        if self._fleet_path_s is None:
-            settled = [v for r, v in self._path.items() if self._path_n.get(r, 0) >= PATH_MIN_OBS]
-            pool = settled or list(self._path.values())
-            self._fleet_path_s = sum(pool) / len(pool) if pool else 0.0
-        return self._fleet_path_s
+        return (0.0 if est is None else max(0.0, est.overhead_s)) + self._path_s
 
     def tier_map(self, base: TierMap) -> TierMap:
         """``base`` with every tier class that has enough transfers replaced by its fitted spec."""
@@ -637,7 +662,4 @@ class Calibrator:
 
     def forget_replica(self, replica_id: str) -> None:
         self._mfu.pop(replica_id, None)
-        self._path.pop(replica_id, None)
-        self._path_n.pop(replica_id, None)
         self._fleets.clear()
-        self._fleet_path_s = None

@@ -347,14 +347,14 @@ class LiveView:
             t = chunk.timeline
             if t is not None and 0 <= t.queued_s <= t.scheduled_s < t.first_token_s:
                 prefill_s = t.first_token_s - t.scheduled_s
-                self.calibrator.observe_path(replica_id, ttft_s - (t.first_token_s - t.queued_s))
+                self.calibrator.observe_path(ttft_s - (t.first_token_s - t.queued_s))
             else:
                 prefill_s = ttft_s
             self.calibrator.observe_prefill(replica_id, self.hardware, chunk.prompt_tokens,
                                             min(chunk.cached_tokens, chunk.prompt_tokens), prefill_s)
             self.book.observe_ttft(replica_id, ttft_s)  # also rebuilds its state with the new calibration
-            for rid in self.book.loads:  # replicas not yet trusted on their own fit may be priced with the fleet's
-                if rid != replica_id and not self.calibrator.trusted(rid):
+            for rid in self.book.loads:  # replicas priced with a sibling's fit (the fleet's median) move with it
+                if rid != replica_id and not self.calibrator.priced_by_own_fit(rid):
                     self.book.touch(rid)
 
     def record_pool_timing(self, routed: Routed, timing: PoolRequestTiming) -> None:

@@ -20,9 +20,12 @@ seconds on the replica's queue delay — until the replica reports them (``ackno
 or ``inflight_ttl_s`` passes; on a replica that reports its KV cache (``ReplicaState.kv``), also the KV the request
 will hold (its prompt less the HBM prefix it reuses, ``KvAdmission.claimed``), which the first token does not end:
 until a report counts the request, it finishes, or ``inflight_ttl_s`` passes; and (2) for policies with
-``tie_break`` (candidates ordered by predicted TTFT) picks uniformly at random among the choosable candidates
-(``Ranking.choosable``) within ``max(tie_abs_s, tie_rel · best)`` of the best, with its own injected RNG, so two
-routers with identical views still choose different replicas. Both can be switched off (``anti_herding=False``,
+``tie_break`` (candidates ordered by predicted TTFT) picks among the choosable candidates (``Ranking.choosable``)
+within ``max(tie_abs_s, tie_rel · best)`` of the best the one on the replica this router assigned least recently,
+at random (its own injected RNG) among replicas it never assigned, so two routers with identical views still choose
+different replicas, and one router spreads a burst over equally priced replicas in turn. Fresh prompts reach idle
+replicas one by one (the in-flight term ends at their first token, tens of ms later): a coin flip per prompt put 13
+of 16 on one replica of two (the two-router e2e test, CI). Both can be switched off (``anti_herding=False``,
 ``tie_break=False``) to measure the herd a naive router forms.
 
 No I/O: clocks and the RNG are injected; audit log and metrics are optional in-memory sinks.
@@ -43,6 +46,7 @@ from router.decision import AuditLog, DecisionRecord
 from router.metrics import RouterMetrics
 from router.policies.always_fetch import AlwaysFetch
 from router.policies.base import (
+    Candidate,
     ClusterSnapshot,
     NoReplicasError,
     ReplicaState,
@@ -153,6 +157,8 @@ class PolicyRunner:
         self._kv_claims: dict[str, _KvClaim] = {}  # request id -> the KV its assignment will hold
         self._kv_per_replica: dict[str, int] = {}  # replica id -> tokens claimed
         self._next_expiry = float("inf")
+        self._chosen_seq: dict[str, int] = {}  # replica id -> when this runner last chose it (``_seq`` at the time)
+        self._seq = 0
 
     # ---- deciding -------------------------------------------------------------------------------------------
 
@@ -178,10 +184,10 @@ class PolicyRunner:
             while k < n and cands[k].predicted_ttft_s <= limit:
                 k += 1
             if k > 1:
-                j = self._rng.randrange(k)
+                j = self._least_recent(cands, k)
                 chosen = cands[j]
-                tie = (f"random {j + 1} of {k} within {window * 1e3:.3f} ms of the best: {chosen.action} on "
-                       f"{chosen.replica_id} (the reason explains the best)")
+                tie = (f"least recently chosen {j + 1} of {k} within {window * 1e3:.3f} ms of the best: "
+                       f"{chosen.action} on {chosen.replica_id} (the reason explains the best)")
         replica = _find(view.replicas, chosen.replica_id)
         if replica is None:
             raise PolicyError(f"policy {self.policy_name!r} chose replica {chosen.replica_id!r}, not in the snapshot")
@@ -206,6 +212,7 @@ class PolicyRunner:
             decision_latency_s=0.0,
             tie_break=tie,
         )
+        self._note_chosen(chosen.replica_id, len(view.replicas))
         if self.anti_herding:
             self._track(request.request_id, replica, chosen.predicted_ttft_s - replica.queue_delay_s, now)
             if replica.kv is not None:
@@ -217,6 +224,21 @@ class PolicyRunner:
         if self.metrics is not None:
             self.metrics.observe_decision(record)
         return record
+
+    def _least_recent(self, cands: Sequence[Candidate], k: int) -> int:
+        """Index of the candidate among the first ``k`` whose replica this runner chose least recently (at random
+        among the replicas it never chose, or several candidates on one replica)."""
+        last = self._chosen_seq
+        seqs = [last.get(c.replica_id, -1) for c in cands[:k]]
+        oldest = min(seqs)
+        ties = [j for j, q in enumerate(seqs) if q == oldest]
+        return ties[0] if len(ties) == 1 else ties[self._rng.randrange(len(ties))]
+
+    def _note_chosen(self, replica_id: str, live_replicas: int) -> None:
+        if len(self._chosen_seq) > 2 * live_replicas + 64:  # replicas gone long ago: forget them all, once
+            self._chosen_seq.clear()
+        self._seq += 1
+        self._chosen_seq[replica_id] = self._seq
 
     def record_actual(self, request_id: str, ttft_s: float) -> DecisionRecord | None:
         """The request's first token arrived after ``ttft_s``: regret and error into the record and metrics; its

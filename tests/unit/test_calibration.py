@@ -245,7 +245,7 @@ def test_a_replica_without_its_own_fit_is_priced_like_its_fleet() -> None:
     assert cal.hardware("new", hw) is hw and cal.overhead_s("new") == 0.0  # nobody fitted: the configured prior
     for tokens in (500, 2000, 8000, 16000):
         cal.observe_prefill("old", hw, tokens, 0, 0.01 + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=0.2))
-    cal.observe_path("old", 0.03)
+    cal.observe_path(0.03)
     assert cal.fitted("old") and not cal.fitted("new")
     assert cal.hardware("new", hw) is cal.hardware("old", hw)
     assert cal.overhead_s("new") == pytest.approx(cal.overhead_s("old"))
@@ -315,24 +315,58 @@ def test_a_replica_proven_slow_on_few_noisy_samples_keeps_its_fleets_price_until
     assert cal.hardware("r2", hw).mfu > 1.3 * cal.hardware("r1", hw).mfu
 
 
-def test_a_replica_priced_on_its_cold_first_requests_alone_is_not_starved() -> None:
-    """A fresh engine's first requests carry one-off seconds outside its queue. A replica that served only those
-    (then was never chosen) keeps its fleet's path cost until it has ``PATH_MIN_OBS`` samples of its own, and then the
-    least of its first samples starts its EWMA, so cold requests do not price it for good (issue 13: 40 of 42
-    requests went to one replica of two)."""
+def test_replicas_whose_fits_differ_by_less_than_the_band_are_priced_alike() -> None:
+    """Two replicas of one hardware, fitted 10% apart (on CPU, the same engine on two cores: 0.111 vs 0.1005 MFU),
+    are one price: the median fit prices both, so the fits' noise does not send every fresh prompt to one of them.
+    Fitted 2x apart, each is priced by its own fit once trusted; with the band 0, as before it existed."""
+    from router.calibration import SAME_SPEED_BAND
+
+    hw = router_hw(mfu=0.5)
+
+    def serve(cal: Calibrator, rid: str, mfu: float, fixed: float, n: int) -> None:
+        for i in range(n):
+            tokens = 1500 + 10 * i
+            cal.observe_prefill(rid, hw, tokens, 0, fixed + cost.t_prefill(hw.model, hw.gpu, tokens, mfu=mfu))
+
+    assert SAME_SPEED_BAND == 0.25
+    with pytest.raises(ValueError, match="same_speed_band"):
+        Calibrator(bw_util=0.8, same_speed_band=-0.1)
+    cal = Calibrator(bw_util=0.8, min_obs=5)
+    serve(cal, "a", 0.30, 0.003, cal.trust_obs)
+    serve(cal, "b", 0.33, 0.004, cal.trust_obs)
+    assert cal.trusted("a") and cal.trusted("b")
+    assert cal.hardware("a", hw) is cal.hardware("b", hw)
+    assert cal.overhead_s("a") == cal.overhead_s("b")
+    # one of them is the fleet's median and priced by its own fit; the other moves with it (the router re-prices it)
+    assert sorted([cal.priced_by_own_fit("a"), cal.priced_by_own_fit("b")]) == [False, True]
+    serve(cal, "c", 0.15, 0.003, cal.trust_obs)  # 2x slower: a real difference, its own price
+    assert cal.hardware("c", hw).mfu < 0.6 * cal.hardware("a", hw).mfu and cal.priced_by_own_fit("c")
+    assert not cal.priced_by_own_fit("never-served")
+    apart = Calibrator(bw_util=0.8, min_obs=5, same_speed_band=0.0)
+    serve(apart, "a", 0.30, 0.003, apart.trust_obs)
+    serve(apart, "b", 0.33, 0.004, apart.trust_obs)
+    assert apart.hardware("a", hw).mfu < apart.hardware("b", hw).mfu
+
+
+def test_the_path_is_the_routers_one_price_for_every_replica() -> None:
+    """The request path (ingress, hops, the first chunk's way back) is one estimate, fed by every replica's requests
+    and pricing every replica, also one that never served. Per replica, only a chosen replica was measured: one priced
+    on its cold first requests was not chosen again (issue 13: 40 of 42 requests on one replica of two), and between
+    idle replicas the estimates' noise alone chose one replica for a whole burst (13 of 16, the two-router e2e test).
+    The least of the first ``PATH_MIN_OBS`` samples starts the EWMA; a stall once settled is clipped to 4x it."""
     from router.calibration import PATH_MIN_OBS
 
     cal = Calibrator(bw_util=0.8)
-    for _ in range(20):
-        cal.observe_path("busy", 0.03)
-    cal.observe_path("idle", 1.5)  # its two warm-up requests, cold
-    cal.observe_path("idle", 0.9)
-    assert cal.overhead_s("idle") == pytest.approx(cal.overhead_s("busy"))
+    assert cal.overhead_s("busy") == 0.0  # no sample yet
+    cal.observe_path(1.5)  # warm-up requests, cold
+    cal.observe_path(0.9)
     for _ in range(PATH_MIN_OBS - 2):
-        cal.observe_path("idle", 0.03)
-    assert cal.overhead_s("idle") == pytest.approx(0.03)  # the least of 1.5, 0.9, 0.03, 0.03, 0.03
-    cal.observe_path("idle", 30.0)  # a stall once settled: clipped to 4x the estimate before it counts
+        cal.observe_path(0.03)
+    assert cal.overhead_s("busy") == cal.overhead_s("idle") == cal.overhead_s("never-served") == pytest.approx(0.03)
+    cal.observe_path(30.0)
     assert cal.overhead_s("idle") == pytest.approx(0.8 * 0.03 + 0.2 * 0.12)
+    cal.forget_replica("idle")  # a replica gone takes its MFU fit along, not the router's path
+    assert cal.overhead_s("busy") == pytest.approx(0.8 * 0.03 + 0.2 * 0.12)
 
 
 def test_a_path_whose_first_samples_were_all_cold_comes_down_within_a_few_requests() -> None:
@@ -348,10 +382,10 @@ def test_a_path_whose_first_samples_were_all_cold_comes_down_within_a_few_reques
     cold = [0.21, 0.19, 0.2, 0.18, 0.19]
     assert len(cold) == PATH_MIN_OBS
     for s in cold:
-        cal.observe_path("r", s)
+        cal.observe_path(s)
     assert cal.overhead_s("r") == pytest.approx(0.18)
     for _ in range(3):
-        cal.observe_path("r", 0.03)
+        cal.observe_path(0.03)
     assert cal.overhead_s("r") == pytest.approx(0.03 + 0.15 / 8)
     old = 0.19  # the old rule: median of the cold samples, then weight 0.2 either way
     for _ in range(3):
@@ -367,11 +401,11 @@ def test_the_path_estimate_leans_low_and_still_follows_a_real_shift() -> None:
     rng = random.Random(7)
     cal = Calibrator(bw_util=0.8)
     for _ in range(300):
-        cal.observe_path("r", 0.05 + rng.uniform(-0.01, 0.01))
+        cal.observe_path(0.05 + rng.uniform(-0.01, 0.01))
     settled = cal.overhead_s("r")
     assert 0.04 < settled < 0.05
     for _ in range(40):
-        cal.observe_path("r", 0.15 + rng.uniform(-0.01, 0.01))
+        cal.observe_path(0.15 + rng.uniform(-0.01, 0.01))
     assert 0.13 < cal.overhead_s("r") < 0.15
 
 

@@ -439,13 +439,19 @@ def test_runner_rejects_a_policy_that_breaks_the_contract() -> None:
         PolicyRunner(_Liar(ghost), rng=random.Random(0)).decide(router_request(64), router_cluster(1))
 
 
-def test_runner_breaks_exact_ties_at_random() -> None:
+def test_runner_breaks_exact_ties_by_the_least_recently_chosen_replica() -> None:
+    """Among tied replicas the runner takes the one it chose least recently (at random among those it never chose):
+    without in-flight accounting, 400 fresh prompts on 8 idle replicas go round, 50 each, where coin flips left them
+    uneven; two runners with other seeds start the round elsewhere."""
     runner = PolicyRunner(build("cost_based"), rng=random.Random(1), anti_herding=False)
-    picks = Counter(runner.decide(router_request(2048, request_id=f"q{i}"), router_cluster(8)).replica_id
-                    for i in range(400))
-    assert len(picks) == 8 and max(picks.values()) < 100  # uniform would be 50 each
+    order = [runner.decide(router_request(2048, request_id=f"q{i}"), router_cluster(8)).replica_id for i in range(400)]
+    assert Counter(order) == {f"r{i}": 50 for i in range(8)}
+    assert all(order[i] == order[i % 8] for i in range(400)) and len(set(order[:8])) == 8
     rec = runner.decide(router_request(2048), router_cluster(8))
-    assert rec.tie_break.startswith("random")
+    assert rec.tie_break.startswith("least recently chosen") and rec.replica_id == order[0]
+    other = PolicyRunner(build("cost_based", seed=5), rng=random.Random(7), anti_herding=False)
+    firsts = [other.decide(router_request(2048, request_id=f"o{i}"), router_cluster(8)).replica_id for i in range(8)]
+    assert sorted(firsts) == sorted(order[:8]) and firsts != order[:8]
 
 
 # ---- anti-herding: two routers, own indexes, shared load reports ----------------------------------------------------

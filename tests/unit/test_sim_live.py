@@ -164,8 +164,9 @@ def test_a_recorded_overloaded_live_run_is_simulated_within_the_tolerance() -> N
     workload on this project's 2-core AVX2 box, 2026-12-07; decision records, request logs and the run's settings
     only): prefix_affinity with the pool off (overloaded: its queues grow for the whole run), round_robin and
     cost_based with the pool. Timed by the engines' busy periods (``bench.engine_fit``), every configuration's
-    simulated TTFT p50 is within 25% of the live one and the simulator ranks them in the live order (with the
-    router's fit alone it ranked the two pool-on configurations the other way round)."""
+    simulated TTFT p50 is within 25% of the live one and the simulator orders them as the live run does wherever it
+    separates them by more than ``ORDER_BAND`` (round_robin and cost_based are 2% apart live, 3.28 / 3.35 s: not an
+    order the run can tell; the simulated two came out either way round as the runner's tie-break changed)."""
     from pathlib import Path
 
     from bench.sim_live import TOLERANCE, simulate_run
@@ -176,7 +177,7 @@ def test_a_recorded_overloaded_live_run_is_simulated_within_the_tolerance() -> N
     ratio = {c["configuration"]: c["sim_over_live_p50"] for c in doc["configurations"]}
     assert set(ratio) == {"prefix_affinity-nopool", "round_robin", "cost_based"}
     assert all(abs(r - 1.0) <= TOLERANCE for r in ratio.values()), ratio
-    assert doc["all_p50_within"] and doc["same_order"]
+    assert doc["all_p50_within"] and doc["same_order_beyond_band"]
     engine = doc["cluster"]["engine_cost"]
     assert engine["busy_periods"] >= 50
     # the attention's cost per FLOP against the matrix products' (the FLOP model's ratio is 1): well below it here
