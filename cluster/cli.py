@@ -36,6 +36,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("soak", "bench.soak", "agent sessions with tools for minutes: errors, wrong outputs, RSS, leases, step time"),
     ("oracle", "bench.oracle", "kvstack's greedy outputs against plain vLLM's (same engine, same placement)"),
     ("router", "bench.router_bench", "decision latency of the cost_based policy"),
+    ("burst", "bench.burst_spread", "bursts of fresh prompts through several routers: their spread over replicas"),
     ("agent", "bench.agent_cli", "agent-session load generator against an OpenAI endpoint"),
     ("trace", "bench.trace_cli", "replay a Mooncake trace against an OpenAI endpoint"),
     ("compare", "bench.compare_cli", "policies side by side (simulator and live)"),

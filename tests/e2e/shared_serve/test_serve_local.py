@@ -246,24 +246,14 @@ def test_two_routers_do_not_herd(server) -> None:
     replicas about one at a time (each router's in-flight term ends at the first token, tens of ms later), so what
     spreads them is the pricing (equal for replicas the calibration cannot tell apart) and each router's tie-break
     (the replica it chose least recently); coin flips once put 13 of 16 on one replica."""
-    import concurrent.futures
+    from bench.burst_spread import burst, round_summary
 
-    def one(i: int) -> httpx.Response:
-        body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
-                "messages": [{"role": "user", "content": f"unrelated question number {i} " + "x" * (i % 7)}]}
-        return httpx.post(server["base"] + "/chat/completions", json=body, timeout=120)
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(16)))
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
-    replicas = [r.headers["x-kvstack-replica"] for r in responses]
-    decided = [(r.headers["x-kvstack-target"], r.headers["x-kvstack-replica"]) for r in responses]
-    assert all(t == ran for t, ran in decided if t), f"a request ran elsewhere than decided: {decided}"
-    routers = {r.headers["x-kvstack-router"] for r in responses}
-    assert len(routers) == 2, "both router replicas served requests"
-    counts = sorted(replicas.count(x) for x in set(replicas))
-    by_router = sorted((r.headers["x-kvstack-router"], r.headers["x-kvstack-replica"]) for r in responses)
-    assert len(counts) == 2 and counts[0] >= 4, f"requests piled onto one replica: {counts}, {by_router}"
+    rows = burst(server["base"], MODEL, n=16, concurrency=8)
+    assert all(r["status"] == 200 for r in rows), [r for r in rows if r["status"] != 200]
+    assert all(r["target"] == r["replica"] for r in rows if r["target"]), f"ran elsewhere than decided: {rows}"
+    assert len({r["router"] for r in rows}) == 2, "both router replicas served requests"
+    spread = round_summary(rows, replicas=2)
+    assert spread["fewest"] >= 4, f"requests piled onto one replica: {spread}"
 
 
 def test_status_lists_nodes_replicas_shards(server) -> None:
