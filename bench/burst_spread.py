@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import statistics
+import json
 import sys
 import time
 from collections import Counter
@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from bench.stats import percentile
 from cluster.cli_output import print_document
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,22 +63,20 @@ def round_summary(rows: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
     per_replica = Counter(r["replica"] for r in rows if r["status"] == 200)
     per_pair = Counter(f"{r['router']} -> {r['replica']}" for r in rows if r["status"] == 200)
     counts = sorted(per_replica.values()) + [0] * max(0, replicas - len(per_replica))
-    lat = sorted(r["latency_s"] for r in rows)
+    lat = [r["latency_s"] for r in rows]
     return {"requests": len(rows), "errors": sum(r["status"] != 200 for r in rows),
             "per_replica": dict(per_replica), "per_router_replica": dict(sorted(per_pair.items())),
             "fewest": min(counts) if counts else 0, "most": max(counts) if counts else 0,
-            "latency_p50_s": statistics.median(lat) if lat else None,
-            "latency_p90_s": lat[int(0.9 * (len(lat) - 1))] if lat else None}
+            "latency_p50_s": percentile(lat, 50), "latency_p90_s": percentile(lat, 90)}
 
 
 def summarize(rounds: list[dict[str, Any]], burst_size: int, replicas: int) -> dict[str, Any]:
     bound = burst_size / replicas / 2
     fewest = [r["fewest"] for r in rounds]
     return {"rounds": len(rounds), "even_share": burst_size / replicas, "bound": bound,
-            "fewest_median": statistics.median(fewest) if fewest else None, "fewest_min": min(fewest, default=None),
+            "fewest_median": percentile(fewest, 50), "fewest_min": min(fewest, default=None),
             "rounds_below_bound": sum(f < bound for f in fewest), "fewest_by_round": fewest,
-            "latency_p50_s": statistics.median([r["latency_p50_s"] for r in rounds if r["latency_p50_s"] is not None])
-            if rounds else None}
+            "latency_p50_s": percentile([r["latency_p50_s"] for r in rounds if r["latency_p50_s"] is not None], 50)}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +111,6 @@ def measure(endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from bench.live_compare import serve_command
     from bench.serve_process import ServerProcess, log_contains
     from cluster.local_cluster import free_port

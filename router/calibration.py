@@ -376,16 +376,6 @@ def _speed_ratio(est: MfuEstimator, other: MfuEstimator) -> float:
     return mine / theirs if mine is not None and theirs is not None and theirs > 0 else 1.0
 
 
-def _slower(est: MfuEstimator, other: MfuEstimator) -> bool:
-    """Whether ``est``'s fit predicts its own prefills (at their weighted mean FLOPs) slower than ``other``'s fit."""
-    return _speed_ratio(est, other) > 1.0
-
-
-def _same_speed(est: MfuEstimator, other: MfuEstimator, band: float) -> bool:
-    """Whether the two fits differ by no more than ``band`` (a fraction) on ``est``'s own prefills."""
-    return abs(_speed_ratio(est, other) - 1.0) <= band
-
-
 def _median_speed(fleet: list[MfuEstimator]) -> MfuEstimator:
     """The median estimator of ``fleet`` by fitted speed (peak × MFU)."""
     return sorted(fleet, key=_speed)[len(fleet) // 2]
@@ -589,10 +579,10 @@ class Calibrator:
             base = est.base
         proven, ready = self._fleet_medians(base)
         if self._trusts(est):
-            return proven if proven is not None and _same_speed(est, proven, self.same_speed_band) else est
-        if proven is not None:
-            faster = (est is not None and est.proven and not _slower(est, proven)
-                      and not _same_speed(est, proven, self.same_speed_band))
+            same = proven is not None and abs(_speed_ratio(est, proven) - 1.0) <= self.same_speed_band
+            return proven if same else est
+        if proven is not None:  # its own only when faster than the median by more than the band
+            faster = est is not None and est.proven and _speed_ratio(est, proven) < 1.0 - self.same_speed_band
             return est if faster else proven
         if est is not None and est.ready:
             return est
