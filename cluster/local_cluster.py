@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import socket
 import tempfile
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,37 @@ def _reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+#: Ports ``free_port`` hands out lie in [PORT_FLOOR, the kernel's ephemeral range): above Ray's default worker
+#: ports (10002-19999), below the ports the kernel gives to bind(0) and to outgoing connections. A port taken from the
+#: ephemeral range was free when picked, but the Ray cluster started next opens hundreds of sockets in that range
+#: before Serve's proxy binds the port: CI saw "Failed to bind to address '127.0.0.1:59547'" (the autoscaling e2e
+#: test's server, 2026-12-07).
+PORT_FLOOR = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port no address of this host has bound: picked on the wildcard address, because Ray's servers bind
-    every interface, so a port free on the node's own IP but held on another loopback address is not free for them."""
+    """A TCP port no address of this host has bound, outside the kernel's ephemeral range (``PORT_FLOOR``): tried on
+    the wildcard address, because Ray's servers bind every interface, so a port free on the node's own IP but held on
+    another loopback address is not free for them. Where the ephemeral range leaves no room below it, the kernel's
+    pick (bind to port 0)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(256 if low > PORT_FLOOR else 0):
+        port = rng.randrange(PORT_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("0.0.0.0", 0))
         return int(s.getsockname()[1])
