@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from typing import Any
@@ -177,9 +176,9 @@ class FakeOpenAIServer:
     def start(self, timeout_s: float = 15.0) -> FakeOpenAIServer:
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from cluster.local_cluster import free_port
+
+        self.port = free_port()
         config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fake-openai", daemon=True)
